@@ -1,0 +1,5 @@
+import sys
+
+from difftrain.cli import main
+
+sys.exit(main())

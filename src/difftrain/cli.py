@@ -1,0 +1,216 @@
+"""``difftrain`` command line: parses, loads config, calls one function per verb.
+
+User errors (bad config, missing file, wrong flag value) print one line and exit 2; ``--debug``
+shows the traceback. Warnings (e.g. a truncated prompt) print one line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from difftrain.errors import UserError
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_config(name: str) -> Path:
+    """A config path, or the name of a shipped preset (``shapes-tiny``, ``flux-dev``, ``dit-24b``)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for candidate in (REPO_CONFIGS / name, REPO_CONFIGS / f"{name}.toml"):
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"{name}: config file not found (give a path to a .toml file or a preset name "
+                    f"from {REPO_CONFIGS})")
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key (repeatable), e.g. --set train.lr=1e-4; "
+                        "'difftrain config keys' lists every key")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="difftrain", description="Train diffusion transformers (text-to-image, editing, keyframes).")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = sub.add_parser("demo", help="generate the shapes world, train shapes-tiny on this machine, sample, "
+                                    "evaluate; prints a JSON summary",
+                       description="End to end on the built-in shapes world: train, sample, evaluate.")
+    p.add_argument("--out", default="demo-out", help="output directory (run, sample grids, summary.json)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="training time budget in minutes (default: the preset's train.minutes)")
+    p.add_argument("--config", default="shapes-tiny", help="config path or preset name (default shapes-tiny)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    _add_set(p)
+
+    p = sub.add_parser("train", help="train from a config; rerun on the same run directory to resume",
+                       description="Train a model. Resumes from the newest checkpoint in the run directory.")
+    p.add_argument("config", help="config path or preset name")
+    p.add_argument("--run-dir", default=None, help="run directory (default: run.out_dir/run.name)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    _add_set(p)
+
+    p = sub.add_parser("sample", help="generate images from a checkpoint",
+                       description="Generate PNGs from a checkpoint for one prompt.")
+    p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
+    p.add_argument("--prompt", required=True, help="the caption (or the edit instruction with --edit)")
+    p.add_argument("--edit", metavar="IMAGE", default=None, help="edit this image (reference at RoPE index 1)")
+    p.add_argument("--frames", type=int, default=None, metavar="K", help="generate K keyframes (K >= 1)")
+    p.add_argument("--num-images", type=int, default=4, help="samples to draw (default 4)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's sample.seed)")
+    p.add_argument("--steps", type=int, default=None, help="Euler steps (default: sample.steps)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
+    p.add_argument("--out", default=None, help="output directory (default: RUN/samples/cli)")
+    p.add_argument("--raw-weights", action="store_true", help="use the raw weights instead of the EMA")
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the shapes world",
+                       description="Generate for N prompts per task and read them back with the shapes evaluator.")
+    p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--n", type=int, default=None, help="prompts per task (default: eval.n)")
+    p.add_argument("--steps", type=int, default=None, help="Euler steps (default: sample.steps)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
+    p.add_argument("--grid", default=None, help="also write a PNG grid of the generated samples here")
+
+    p = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
+    csub = p.add_subparsers(dest="config_verb", required=True, metavar="ACTION")
+    show = csub.add_parser("show", help="print the resolved config and the model's parameter count")
+    show.add_argument("file", help="config path or preset name")
+    show.add_argument("--json", action="store_true", help="print JSON (with num_params) instead of TOML")
+    _add_set(show)
+    csub.add_parser("keys", help="list every config key with its default and meaning")
+    return parser
+
+
+def _check_positive(name: str, value, minimum=1) -> None:
+    if value is not None and value < minimum:
+        raise UserError(f"{name} {value}: expected a value >= {minimum}")
+
+
+def cmd_config(args) -> int:
+    from difftrain.config import describe, load_config, to_dict, to_toml
+    from difftrain.models import build_dit, config_dit_params, num_params
+
+    if args.config_verb == "keys":
+        for key, default, doc in describe():
+            print(f"{key} = {default}\n    {doc}")
+        return 0
+    cfg = load_config(resolve_config(args.file), args.overrides)
+    params = config_dit_params(cfg)
+    n = num_params(build_dit(params, device="meta"))
+    if args.json:
+        print(json.dumps({**to_dict(cfg), "num_params": n}, indent=1))
+    else:
+        print(to_toml(cfg) + f"# model parameters (DiT): {n:,} ({n / 1e9:.2f}B)")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from difftrain.config import load_config
+    from difftrain.progress import run_training
+
+    cfg = load_config(resolve_config(args.config), args.overrides)
+    summary = run_training(cfg, args.run_dir, progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    _check_positive("--num-images", args.num_images)
+    _check_positive("--steps", args.steps)
+    if args.frames is not None and args.frames < 1:
+        raise UserError(f"--frames {args.frames}: expected a number of keyframes >= 1")
+    from difftrain.images import caption_grid, read_image, write_png
+    from difftrain.inference import load_pipeline, request_batch
+
+    pipe, cfg, info = load_pipeline(args.checkpoint, use_ema=not args.raw_weights)
+    edit = read_image(args.edit, cfg.data.image_size) if args.edit else None
+    batch = request_batch(pipe, cfg, [args.prompt] * args.num_images, edit, args.frames)
+    seed = cfg.sample.seed if args.seed is None else args.seed
+    lat = pipe.sample(batch, args.steps or cfg.sample.steps,
+                      cfg.sample.cfg_scale if args.cfg_scale is None else args.cfg_scale, seed=seed)
+    imgs = pipe.to_images(lat)
+    out = Path(args.out) if args.out else Path(info["path"]).parent.parent / "samples" / "cli"
+    written = []
+    for b in range(imgs.shape[0]):
+        for f in range(imgs.shape[1] if args.frames else 1):
+            name = f"sample_{seed}_{b}" + (f"_frame{f}" if args.frames else "") + ".png"
+            written.append(str(write_png(imgs[b, f], out / name)))
+    rows = [(([edit] if edit is not None else []) + list(imgs[b, : (imgs.shape[1] if args.frames else 1)]),
+             args.prompt) for b in range(imgs.shape[0])]
+    grid = caption_grid(rows, out / f"grid_{seed}.png")
+    print(json.dumps({"images": written, "grid": str(grid)}))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    _check_positive("--n", args.n)
+    _check_positive("--steps", args.steps)
+    from difftrain.evaluate import evaluate
+    from difftrain.images import caption_grid
+    from difftrain.inference import load_pipeline
+
+    pipe, cfg, _ = load_pipeline(args.checkpoint)
+    metrics, gens = evaluate(pipe, cfg.data.image_size, cfg.data.frames, args.n or cfg.eval.n, cfg.eval.seed,
+                             args.steps or cfg.sample.steps,
+                             cfg.sample.cfg_scale if args.cfg_scale is None else args.cfg_scale,
+                             cfg.sample.seed, cfg.eval.keyframe_given)
+    if args.grid:
+        caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
+    if args.json:
+        keys = ("t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc", "keyframe_acc", "n")
+        print(json.dumps({k: metrics[k] for k in keys} | {"t2i_size_acc": metrics["t2i_size_acc"]}))
+    else:
+        for k, v in metrics.items():
+            print(f"{k:18s} {v}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from difftrain.demo import run_demo
+
+    if args.minutes is not None and args.minutes <= 0:
+        raise UserError(f"--minutes {args.minutes}: expected a positive number of minutes")
+    summary = run_demo(resolve_config(args.config), Path(args.out), args.minutes, args.overrides,
+                       progress=not args.no_progress)
+    print(json.dumps(summary))
+    return 0
+
+
+def _short_warnings(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s",
+                        stream=sys.stderr)
+    if not args.debug:
+        warnings.showwarning = _short_warnings
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    verbs = {"config": cmd_config, "train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo}
+    try:
+        return verbs[args.verb](args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Load a TOML config, apply ``--set section.key=value`` overrides, validate, and print it back.
+
+Validation happens here, before any work starts: unknown sections or keys, values of the wrong
+type and values outside their declared range all raise ``UserError`` naming the file, the key,
+the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from difftrain.config.schema import Config
+from difftrain.errors import UserError
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        return f"list of {_type_name(arg)}"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{where} = {value!r}: expected {_type_name(tp)}")
+        return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{where} = {value!r}: expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{where} = {value!r}: expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{where} = {value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise UserError(f"{where} = {value!r}: expected a string")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {where}")  # a bug in schema.py, not user input
+
+
+def _check_range(value: Any, md: dict, where: str) -> None:
+    if md.get("choices") is not None and value not in md["choices"]:
+        choices = ", ".join(repr(c) for c in md["choices"])
+        raise UserError(f"{where} = {value!r}: expected one of {choices}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for key, ok, text in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+            bound = md.get(key)
+            if bound is not None and not ok(value, bound):
+                raise UserError(f"{where} = {value!r}: expected a value {text} {bound}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, vars(__import__(cls.__module__, fromlist=["_"])))
+
+
+def from_dict(data: dict[str, Any], source: str = "config") -> Config:
+    """Build a validated ``Config`` from a nested dict (the parsed TOML)."""
+    cfg = Config()
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for sec_name, sec_value in data.items():
+        if sec_name not in sections:
+            raise UserError(f"{source}: unknown section [{sec_name}]; expected one of {', '.join(sections)}")
+        if not isinstance(sec_value, dict):
+            raise UserError(f"{source}: [{sec_name}] must be a table of keys, got {sec_value!r}")
+        section = getattr(cfg, sec_name)
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        hints = _hints(type(section))
+        for key, value in sec_value.items():
+            where = f"{source}: {sec_name}.{key}"
+            if key not in fields:
+                raise UserError(f"{where}: unknown key; [{sec_name}] has {', '.join(fields)}")
+            value = _coerce(value, hints[key], where)
+            _check_range(value, fields[key].metadata, where)
+            setattr(section, key, value)
+    validate(cfg, source)
+    return cfg
+
+
+def validate(cfg: Config, source: str = "config") -> None:
+    """Checks that involve more than one key."""
+    m = cfg.model
+    if m.hidden % m.heads:
+        raise UserError(f"{source}: model.hidden = {m.hidden} must be divisible by model.heads = {m.heads}")
+    head_dim = m.hidden // m.heads
+    if sum(m.axes_dims_rope) != head_dim or any(d % 2 for d in m.axes_dims_rope) or len(m.axes_dims_rope) != 3:
+        raise UserError(f"{source}: model.axes_dims_rope = {m.axes_dims_rope}: expected 3 even numbers "
+                        f"summing to the head dim {head_dim} (hidden / heads)")
+    if m.double_blocks + m.single_blocks == 0:
+        raise UserError(f"{source}: model.double_blocks + model.single_blocks must be >= 1")
+    d = cfg.data
+    if d.t2i_weight + d.edit_weight + d.keyframe_weight <= 0:
+        raise UserError(f"{source}: data.t2i_weight + data.edit_weight + data.keyframe_weight must be > 0")
+    ae = cfg.autoencoder
+    if ae.kind == "pixel-unshuffle" and d.image_size % (ae.factor * 2):
+        raise UserError(f"{source}: data.image_size = {d.image_size} must be a multiple of "
+                        f"2 x autoencoder.factor = {2 * ae.factor} (2x2 patches of the latent)")
+    if ae.kind == "diffusers" and not ae.path:
+        raise UserError(f"{source}: autoencoder.kind = 'diffusers' needs autoencoder.path")
+    if cfg.text.kind == "hf" and not (cfg.text.t5_path or cfg.text.clip_path):
+        raise UserError(f"{source}: text.kind = 'hf' needs text.t5_path and/or text.clip_path")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``section.key=value`` -> (["section", "key"], value). The value is read as TOML when it parses
+    (numbers, true/false, [lists], "quoted"), otherwise taken as a bare string."""
+    if "=" not in item:
+        raise UserError(f"--set {item!r}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) != 2 or not all(path):
+        raise UserError(f"--set {item!r}: expected section.key=value (one dot), e.g. train.lr=1e-4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read ``path`` (TOML; None = defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise UserError(f"{p}: config file not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"{p}: not valid TOML ({e})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{p}: not a UTF-8 text file (expected a TOML config)") from None
+    for item in overrides:
+        (sec, key), value = parse_override(item)
+        data.setdefault(sec, {})
+        if not isinstance(data[sec], dict):
+            raise UserError(f"--set {item!r}: [{sec}] is not a table in {source}")
+        data[sec][key] = value
+    return from_dict(data, source + (" (with --set)" if overrides else ""))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that ``load_config`` reads back to an equal ``Config``."""
+    out = []
+    for sec, values in to_dict(cfg).items():
+        out.append(f"[{sec}]")
+        out.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        out.append("")
+    return "\n".join(out)
+
+
+def describe(cfg_cls: type = Config) -> list[tuple[str, str, str]]:
+    """(key, default, doc) for every key: used by ``config show --keys`` and the README."""
+    rows = []
+    for sec in dataclasses.fields(cfg_cls):
+        inst = sec.default_factory()  # type: ignore[misc]
+        for f in dataclasses.fields(inst):
+            rows.append((f"{sec.name}.{f.name}", _toml_value(getattr(inst, f.name)), f.metadata.get("doc", "")))
+    return rows
+
+
+__all__ = ["load_config", "from_dict", "to_toml", "to_dict", "parse_override", "describe", "validate"]

@@ -1,0 +1,166 @@
+"""Typed configuration: one dataclass per section, defaults that make a small CPU run work.
+
+Every field carries its own documentation and, where it matters, its valid range or choices
+(``meta(...)``). ``load.py`` validates TOML and ``--set`` values against these declarations,
+so an unknown key, a wrong type or an out-of-range value is rejected before any work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def meta(doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+         lt: float | None = None, choices: tuple[Any, ...] | None = None, default: Any = None,
+         factory: Any = None):
+    """A dataclass field with documentation and validation bounds."""
+    md = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
+@dataclass
+class RunConfig:
+    name: str = meta("run name; outputs go to <out_dir>/<name>", default="run")
+    out_dir: str = meta("parent directory of run directories", default="runs")
+    seed: int = meta("global seed: data order, noise, initialisation", ge=0, default=0)
+
+
+@dataclass
+class ModelConfig:
+    in_channels: int = meta("token channels = latent channels x 4 (2x2 patches); 0 = from the autoencoder",
+                            ge=0, default=0)
+    text_dim: int = meta("width of the text-encoder sequence embedding; 0 = from the text encoder", ge=0,
+                         default=0)
+    pooled_dim: int = meta("width of the pooled text vector; 0 = from the text encoder", ge=0, default=0)
+    hidden: int = meta("transformer width (heads x head_dim)", ge=8, default=128)
+    heads: int = meta("attention heads", ge=1, default=4)
+    double_blocks: int = meta("double-stream (text/image) blocks", ge=0, default=2)
+    single_blocks: int = meta("single-stream blocks", ge=0, default=2)
+    mlp_ratio: float = meta("MLP hidden = mlp_ratio x hidden", gt=0, default=4.0)
+    axes_dims_rope: list[int] = meta("RoPE dims per axis (index, row, col); sum = head_dim",
+                                     factory=lambda: [8, 12, 12])
+    rope_theta: float = meta("RoPE base", gt=0, default=10000.0)
+    guidance_embed: bool = meta("embed a guidance scale (guidance-distilled models such as FLUX.1-dev)",
+                                default=False)
+    qkv_bias: bool = meta("bias on q/k/v projections (FLUX: true)", default=True)
+    init: str = meta("parameter initialisation; 'zero-out' zeroes modulation gates and the output head "
+                     "(adaLN-zero) so every block starts as identity", choices=("zero-out", "default"),
+                     default="zero-out")
+
+
+@dataclass
+class TextConfig:
+    kind: str = meta("'words': a small encoder trained with the model over a word vocabulary (shapes world); "
+                     "'hf': frozen transformers T5 (sequence) and/or CLIP (pooled) encoders",
+                     choices=("words", "hf"), default="words")
+    max_tokens: int = meta("text sequence length; longer prompts are truncated with a warning", ge=1,
+                           default=16)
+    dim: int = meta("embedding width of the 'words' encoder", ge=4, default=128)
+    layers: int = meta("transformer layers of the 'words' encoder", ge=0, default=1)
+    t5_path: str = meta("local path of a T5 encoder (transformers format); '' = none", default="")
+    clip_path: str = meta("local path of a CLIP text model (transformers format); '' = none", default="")
+    dtype: str = meta("compute dtype of frozen encoders ('auto' = bf16 where supported)",
+                      choices=("auto", "bf16", "fp32"), default="auto")
+
+
+@dataclass
+class AutoencoderConfig:
+    kind: str = meta("'pixel-unshuffle' (exact, no weights) or 'diffusers' (AutoencoderKL from a local path)",
+                     choices=("pixel-unshuffle", "diffusers"), default="pixel-unshuffle")
+    factor: int = meta("spatial factor of the pixel-unshuffle autoencoder", ge=1, default=4)
+    path: str = meta("local path of a diffusers AutoencoderKL", default="")
+    scaling: float = meta("latent = (z - shift) * scaling; 0 = take it from the model config", ge=0,
+                          default=0.0)
+    shift: float = meta("see scaling", default=0.0)
+
+
+@dataclass
+class DataConfig:
+    world: str = meta("data source ('shapes': the built-in procedural world)", choices=("shapes",),
+                      default="shapes")
+    image_size: int = meta("image side in pixels", ge=8, default=48)
+    frames: int = meta("frames per keyframe sequence", ge=2, le=16, default=4)
+    world_size: int = meta("examples per task in the world (the epoch length)", ge=1, default=50000)
+    t2i_weight: float = meta("share of text-to-image batches", ge=0, default=0.5)
+    edit_weight: float = meta("share of editing batches", ge=0, default=0.25)
+    keyframe_weight: float = meta("share of keyframe batches", ge=0, default=0.25)
+    keyframe_cond_prob: float = meta("probability that a keyframe example gives some frames as clean "
+                                     "conditioning (a random non-empty proper subset)", ge=0, le=1,
+                                     default=0.5)
+    caption_dropout: float = meta("probability of an empty prompt (for classifier-free guidance)", ge=0,
+                                  le=1, default=0.1)
+
+
+@dataclass
+class DiffusionConfig:
+    timesteps: str = meta("timestep distribution", choices=("uniform", "logit-normal"),
+                          default="logit-normal")
+    logit_mean: float = meta("mean m of logit-normal(m, s); > 0 favours noisy timesteps", default=0.0)
+    logit_std: float = meta("std s of logit-normal(m, s)", gt=0, default=1.0)
+    shift: str = meta("timestep shift: 'none', 'fixed' (shift_value) or 'resolution' (FLUX mu from "
+                      "the token count)", choices=("none", "fixed", "resolution"), default="none")
+    shift_value: float = meta("shift for 'fixed': t' = s t / (1 + (s - 1) t)", gt=0, default=1.0)
+    prediction: str = meta("what the network outputs: 'v' (velocity eps - x0, as FLUX) or 'x' (the clean "
+                           "sample, converted to v for the loss)", choices=("v", "x"), default="v")
+    loss_weight: str = meta("per-sample loss weighting", choices=("none", "snr-clamp"), default="none")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = meta("optimizer steps", ge=0, default=200)
+    minutes: float = meta("stop after this many minutes of training (0 = no limit)", ge=0, default=0.0)
+    batch_size: int = meta("examples per micro-batch (per process)", ge=1, default=16)
+    grad_accum: int = meta("micro-batches per optimizer step", ge=1, default=1)
+    lr: float = meta("peak learning rate", gt=0, default=3e-4)
+    min_lr_ratio: float = meta("final LR as a fraction of peak (cosine)", ge=0, le=1, default=0.1)
+    warmup_steps: int = meta("linear warmup steps", ge=0, default=20)
+    schedule: str = meta("LR schedule after warmup", choices=("cosine", "constant"), default="cosine")
+    weight_decay: float = meta("AdamW weight decay", ge=0, default=0.0)
+    beta1: float = meta("AdamW beta1", ge=0, lt=1, default=0.9)
+    beta2: float = meta("AdamW beta2", ge=0, lt=1, default=0.999)
+    grad_clip: float = meta("clip the global gradient norm to this (0 = off)", ge=0, default=1.0)
+    ema_decay: float = meta("EMA decay (0 = EMA off; sampling then uses the raw weights)", ge=0, lt=1,
+                            default=0.999)
+    precision: str = meta("'auto' = bf16 autocast where the device supports it, else fp32",
+                          choices=("auto", "bf16", "fp32"), default="auto")
+    compile: bool = meta("torch.compile each block", default=False)
+    threads: int = meta("CPU threads for torch (0 = torch's default)", ge=0, default=0)
+    log_every: int = meta("steps between metric lines", ge=1, default=10)
+    sample_every: int = meta("steps between sample grids (0 = only at the end)", ge=0, default=0)
+    checkpoint_every: int = meta("steps between checkpoints (0 = only at the end)", ge=0, default=100)
+    keep_checkpoints: int = meta("newest checkpoints kept on disk", ge=1, default=2)
+
+
+@dataclass
+class SampleConfig:
+    steps: int = meta("Euler steps", ge=1, default=20)
+    cfg_scale: float = meta("classifier-free guidance scale (1 = off)", ge=0, default=4.0)
+    shift: str = meta("sampling schedule shift ('train' = same as diffusion.shift)",
+                      choices=("train", "none", "fixed", "resolution"), default="train")
+    shift_value: float = meta("shift for 'fixed'", gt=0, default=1.0)
+    seed: int = meta("sampling seed", ge=0, default=0)
+
+
+@dataclass
+class EvalConfig:
+    n: int = meta("prompts per task", ge=1, default=64)
+    seed: int = meta("seed of the evaluation prompts and images (a world seed other than training's)", ge=0,
+                     default=12345)
+    keyframe_given: str = meta("which keyframes are given as conditioning at evaluation: 'none' or 'first'",
+                               choices=("none", "first"), default="first")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

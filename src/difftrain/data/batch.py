@@ -1,0 +1,64 @@
+"""Sequence assembly: every task becomes the same thing, a token sequence with (index, row, col)
+position ids and a loss mask.
+
+- text-to-image: one target frame at index 0;
+- editing: the target at index 0 and the reference image at index 1 (as FLUX Kontext), no loss
+  on the reference;
+- keyframes: K frames at indices 0..K-1; frames given as conditioning are clean and carry no loss.
+The trainer and the model never ask which task a batch is; ``task`` is only for logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from difftrain.models.dit import image_ids, patchify, unpatchify
+
+
+@dataclass
+class Batch:
+    x0_BLC: Tensor                 # clean tokens: targets and conditions (targets are ignored when sampling)
+    ids_BL3: Tensor                # position ids (index, row, col)
+    loss_mask_BL: Tensor           # True on target tokens: noised, predicted, in the loss
+    tokens: dict[str, Tensor]      # tokenized prompts (see models.text)
+    prompts: list[str]
+    grid: tuple[int, int, int]     # (frames, latent h, latent w): how tokens unpack into frames
+    task: str = "t2i"
+    meta: list[dict] = field(default_factory=list)   # per-example facts for evaluation and logging
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(self.x0_BLC.to(device), self.ids_BL3.to(device), self.loss_mask_BL.to(device),
+                     {k: v.to(device) for k, v in self.tokens.items()}, self.prompts, self.grid, self.task,
+                     self.meta)
+
+    def __len__(self) -> int:
+        return self.x0_BLC.shape[0]
+
+
+def assemble(latents_BFCHW: Tensor, indices: list[int], target_BF: Tensor, tokens: dict[str, Tensor],
+             prompts: list[str], task: str, meta: list[dict] | None = None) -> Batch:
+    """Pack F latent frames per example into one sequence. Frame f sits at RoPE index ``indices[f]``;
+    ``target_BF[b, f]`` says whether frame f of example b is predicted (True) or given (False)."""
+    B, F, C, H, W = latents_BFCHW.shape
+    if len(indices) != F or tuple(target_BF.shape) != (B, F):
+        raise ValueError(f"{F} frames need {F} indices and a ({B}, {F}) target mask; "
+                         f"got {len(indices)} and {tuple(target_BF.shape)}")
+    if not bool(target_BF.any(1).all()):
+        raise ValueError("every example needs at least one target frame")
+    h, w = H // 2, W // 2
+    x = patchify(latents_BFCHW.reshape(B * F, C, H, W)).reshape(B, F * h * w, C * 4)
+    ids = torch.cat([image_ids(h, w, i, latents_BFCHW.device) for i in indices]).expand(B, -1, -1)
+    mask = target_BF.to(latents_BFCHW.device).repeat_interleave(h * w, dim=1)
+    return Batch(x, ids.contiguous(), mask, tokens, prompts, (F, H, W), task, meta or [])
+
+
+def frames_of(tokens_BLC: Tensor, grid: tuple[int, int, int]) -> Tensor:
+    """Inverse of ``assemble``'s packing: (B, L, C*4) -> latents (B, F, C, H, W)."""
+    F, H, W = grid
+    B, L, Cpp = tokens_BLC.shape
+    per = L // F
+    x = unpatchify(tokens_BLC.reshape(B * F, per, Cpp), H, W)
+    return x.reshape(B, F, *x.shape[1:])

@@ -1,0 +1,454 @@
+"""The "shapes world": a procedural, fully controllable source of captioned images.
+
+Every example is one coloured shape on a plain grey background, placed in one cell
+of a 3x3 grid. Because the generator knows exactly what it drew, the evaluator in
+``shapes_eval`` can read a generated image back and check it against its prompt,
+which lets us measure text-to-image, editing and keyframe models without humans.
+
+Three tasks share the world:
+
+* t2i       -- image + caption ("a small red circle in the top left")
+* edit      -- source image, target image, instruction ("make the circle blue")
+* keyframes -- K frames of a shape moving in a straight line between two cells
+
+Examples are a pure function of ``(seed, task, index)`` so a dataset needs no
+storage and every worker can generate any index independently.
+
+Geometry conventions: ``x`` grows to the right, ``y`` grows downwards, pixel
+``(i, j)`` covers ``[j, j+1) x [i, i+1)``, so the image centre is ``(size/2, size/2)``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+# Saturated and far apart in RGB (closest pair, blue/purple, is ~115 apart) and at
+# least ~100 away from every grey in BG_RANGE, so colour reading stays unambiguous.
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 210, 40),
+    "purple": (150, 60, 200),
+    "cyan": (40, 200, 210),
+}
+ROWS: tuple[str, ...] = ("top", "middle", "bottom")
+COLS: tuple[str, ...] = ("left", "center", "right")
+SIZES: tuple[str, ...] = ("small", "large")
+# Shape extent (bounding-box side) as a fraction of a grid cell's side.
+SIZE_EXTENT: dict[str, float] = {"small": 0.45, "large": 0.8}
+# Fraction of a cell's area that each shape covers inside its extent x extent box.
+# The triangle points up: apex at the top centre, base along the bottom edge.
+SHAPE_FILL: dict[str, float] = {"circle": float(np.pi / 4), "square": 1.0, "triangle": 0.5}
+BG_RANGE: tuple[int, int] = (60, 200)  # inclusive grey shades of the background
+JITTER_MAX = 0.07  # max centre offset, as a fraction of the image side
+CELL_MARGIN = 0.03  # gap kept between the shape's box and its cell edge, in cells
+SUPERSAMPLE = 4  # anti-aliasing: coverage is averaged over SUPERSAMPLE^2 samples
+EDIT_KINDS: tuple[str, ...] = ("color", "position", "shape", "size")
+TASK_IDS: dict[str, int] = {"t2i": 0, "edit": 1, "keyframes": 2}
+
+
+def position_name(row: int, col: int) -> str:
+    """'top left', 'middle right', ..., but the middle-centre cell is just 'center'."""
+    if (row, col) == (1, 1):
+        return "center"
+    return f"{ROWS[row]} {COLS[col]}"
+
+
+POSITIONS: dict[str, tuple[int, int]] = {position_name(r, c): (r, c) for r in range(3) for c in range(3)}
+
+
+def cell_center(row: int, col: int, image_size: int) -> tuple[float, float]:
+    """Pixel coordinates (x, y) of the centre of grid cell (row, col)."""
+    cell = image_size / 3.0
+    return (col + 0.5) * cell, (row + 0.5) * cell
+
+
+def max_jitter(size_name: str) -> float:
+    """Largest centre offset (fraction of image side) that keeps the shape inside its cell."""
+    room_cells = 0.5 - SIZE_EXTENT[size_name] / 2 - CELL_MARGIN
+    return max(0.0, min(JITTER_MAX, room_cells / 3.0))
+
+
+def _check(value: str, allowed: tuple[str, ...] | dict[str, Any], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@lru_cache(maxsize=256)
+def _sample_offsets(n_pixels: int, ss: int) -> np.ndarray:
+    """Sub-pixel sample positions for a run of n pixels starting at 0 (cached: hot path)."""
+    grid = (np.arange(n_pixels * ss, dtype=np.float32) + 0.5) / ss
+    grid.setflags(write=False)
+    return grid
+
+
+@lru_cache(maxsize=256)
+def _box_downsample(n_pixels: int, ss: int) -> np.ndarray:
+    """(n, n*ss) matrix averaging each run of ss samples; ``D @ x @ D.T`` box-downsamples.
+
+    Two small matmuls are several times faster in numpy than a mean over the
+    interleaved axes of a 5-D reshape, and this is the renderer's hot path.
+    """
+    mat = np.kron(np.eye(n_pixels, dtype=np.float32), np.full((1, ss), 1.0 / ss, dtype=np.float32))
+    mat.setflags(write=False)
+    return mat
+
+
+def coverage(
+    shape: str, cx: float, cy: float, extent: float, window: tuple[int, int, int, int], ss: int = SUPERSAMPLE
+) -> np.ndarray:
+    """Anti-aliased coverage in [0, 1] of a shape over a pixel window, shape (height, width).
+
+    ``window`` is ``(x0, y0, width, height)`` in pixels; ``(cx, cy)`` is the centre of
+    the shape's bounding box and ``extent`` its side, both in pixels. Only the window
+    is rasterised, which keeps rendering cheap. The evaluator reuses this function to
+    draw templates, so generator and reader agree exactly on what a shape is.
+    """
+    x0, y0, w, h = window
+    xs = (_sample_offsets(w, ss) + np.float32(x0 - cx))[None, :]  # sample x relative to the centre
+    ys = (_sample_offsets(h, ss) + np.float32(y0 - cy))[:, None]
+    half = np.float32(extent / 2.0)
+    if shape == "circle":
+        inside = xs * xs + ys * ys <= half * half
+    elif shape == "square":
+        inside = (np.abs(ys) <= half) & (np.abs(xs) <= half)
+    elif shape == "triangle":
+        depth = ys + half  # distance below the apex; the half-width grows as depth / 2
+        inside = (np.abs(xs) <= depth / 2) & (ys <= half)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
+    # Box-downsample: the mean of each ss x ss block is the pixel's covered fraction.
+    return _box_downsample(h, ss) @ inside.astype(np.float32) @ _box_downsample(w, ss).T
+
+
+def render_at(
+    shape: str, color: str, size_name: str, cx: float, cy: float, bg: int, image_size: int = 48
+) -> np.ndarray:
+    """Render one shape centred at pixel coordinates (cx, cy); returns (H, W, 3) uint8."""
+    _check(color, COLORS, "color")
+    _check(size_name, SIZES, "size")
+    image = np.full((image_size, image_size, 3), bg, dtype=np.uint8)
+    extent = SIZE_EXTENT[size_name] * image_size / 3.0
+    half = extent / 2.0
+    x0, y0 = max(0, int(np.floor(cx - half))), max(0, int(np.floor(cy - half)))
+    x1 = min(image_size, int(np.ceil(cx + half)))
+    y1 = min(image_size, int(np.ceil(cy + half)))
+    if x1 <= x0 or y1 <= y0:
+        return image  # entirely off-canvas
+    alpha = coverage(shape, cx, cy, extent, (x0, y0, x1 - x0, y1 - y0))[:, :, None]
+    fg = np.asarray(COLORS[color], dtype=np.float32)
+    patch = np.float32(bg) + (fg - np.float32(bg)) * alpha
+    image[y0:y1, x0:x1] = np.rint(patch).astype(np.uint8)
+    return image
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """One static scene. ``dx``/``dy`` are the centre's jitter as fractions of the image side."""
+
+    shape: str
+    color: str
+    row: int
+    col: int
+    size: str
+    bg: int = 128
+    dx: float = 0.0
+    dy: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.shape, SHAPES, "shape")
+        _check(self.color, COLORS, "color")
+        _check(self.size, SIZES, "size")
+        if not (0 <= self.row < 3 and 0 <= self.col < 3):
+            raise ValueError(f"grid cell ({self.row}, {self.col}) is outside the 3x3 grid")
+        if not 0 <= self.bg <= 255:
+            raise ValueError(f"background shade {self.bg} is outside 0..255")
+
+    @property
+    def position_name(self) -> str:
+        return position_name(self.row, self.col)
+
+    def caption(self) -> str:
+        return f"a {self.size} {self.color} {self.shape} in the {self.position_name}"
+
+    def attributes(self) -> dict[str, Any]:
+        """The attributes a caption describes (what the evaluator checks)."""
+        return {"shape": self.shape, "color": self.color, "size": self.size, "row": self.row, "col": self.col}
+
+    def center(self, image_size: int) -> tuple[float, float]:
+        cx, cy = cell_center(self.row, self.col, image_size)
+        return cx + self.dx * image_size, cy + self.dy * image_size
+
+
+def render(spec: ShapeSpec, size: int = 48) -> np.ndarray:
+    """Render a ShapeSpec as an (size, size, 3) uint8 image."""
+    cx, cy = spec.center(size)
+    return render_at(spec.shape, spec.color, spec.size, cx, cy, spec.bg, size)
+
+
+def instruction_for(kind: str, source: ShapeSpec, target: ShapeSpec) -> str:
+    """Natural-language instruction that turns ``source`` into ``target``."""
+    if kind == "color":
+        return f"make the {source.shape} {target.color}"
+    if kind == "position":
+        return f"move it to the {target.position_name}"
+    if kind == "shape":
+        return f"turn the {source.shape} into a {target.shape}"
+    if kind == "size":
+        return f"make it {target.size}"
+    raise ValueError(f"unknown edit kind {kind!r}; expected one of {', '.join(EDIT_KINDS)}")
+
+
+@dataclass(frozen=True)
+class EditSpec:
+    """An edit triple: exactly one attribute (``kind``) differs between source and target."""
+
+    source: ShapeSpec
+    target: ShapeSpec
+    kind: str
+    instruction: str
+
+
+def apply_edit(source: ShapeSpec, kind: str, value: Any) -> EditSpec:
+    """Build the EditSpec changing one attribute; value is a name, or (row, col) for position.
+
+    The background shade is kept; the jitter is kept too, except that it is clamped
+    when a shape grows, so a large shape still fits in its cell.
+    """
+    if kind == "color":
+        target = replace(source, color=value)
+    elif kind == "shape":
+        target = replace(source, shape=value)
+    elif kind == "position":
+        target = replace(source, row=int(value[0]), col=int(value[1]))
+    elif kind == "size":
+        lim = max_jitter(value)
+        target = replace(source, size=value, dx=float(np.clip(source.dx, -lim, lim)),
+                         dy=float(np.clip(source.dy, -lim, lim)))
+    else:
+        raise ValueError(f"unknown edit kind {kind!r}; expected one of {', '.join(EDIT_KINDS)}")
+    return EditSpec(source, target, kind, instruction_for(kind, source, target))
+
+
+@dataclass(frozen=True)
+class MotionSpec:
+    """A shape moving in a straight line between two cell centres over ``frames`` frames."""
+
+    shape: str
+    color: str
+    size: str
+    start: tuple[int, int]
+    end: tuple[int, int]
+    bg: int = 128
+    frames: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.shape, SHAPES, "shape")
+        _check(self.color, COLORS, "color")
+        _check(self.size, SIZES, "size")
+        for cell in (self.start, self.end):
+            if not (0 <= cell[0] < 3 and 0 <= cell[1] < 3):
+                raise ValueError(f"grid cell {cell} is outside the 3x3 grid")
+        if tuple(self.start) == tuple(self.end):
+            raise ValueError(f"motion must move: start and end are both {self.start}")
+        if self.frames < 2:
+            raise ValueError(f"a motion needs at least 2 frames, got {self.frames}")
+
+    def caption(self) -> str:
+        return (f"a {self.size} {self.color} {self.shape} moving from the "
+                f"{position_name(*self.start)} to the {position_name(*self.end)}")
+
+    def centers(self, image_size: int) -> np.ndarray:
+        """(frames, 2) pixel centres, evenly spaced from start cell centre to end cell centre."""
+        a = np.asarray(cell_center(*self.start, image_size))
+        b = np.asarray(cell_center(*self.end, image_size))
+        t = np.linspace(0.0, 1.0, self.frames)[:, None]
+        return a + t * (b - a)
+
+
+def render_frames(spec: MotionSpec, size: int = 48) -> np.ndarray:
+    """Render a MotionSpec as a (frames, size, size, 3) uint8 array."""
+    return np.stack([render_at(spec.shape, spec.color, spec.size, float(x), float(y), spec.bg, size)
+                     for x, y in spec.centers(size)])
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _pick(rng: np.random.Generator, options: tuple[Any, ...] | list[Any]) -> Any:
+    return options[int(rng.integers(len(options)))]
+
+
+def sample_shape(rng: np.random.Generator) -> ShapeSpec:
+    size = _pick(rng, SIZES)
+    lim = max_jitter(size)
+    return ShapeSpec(
+        shape=_pick(rng, SHAPES), color=_pick(rng, tuple(COLORS)), row=int(rng.integers(3)),
+        col=int(rng.integers(3)), size=size, bg=int(rng.integers(BG_RANGE[0], BG_RANGE[1] + 1)),
+        dx=float(rng.uniform(-lim, lim)), dy=float(rng.uniform(-lim, lim)),
+    )
+
+
+def sample_edit(rng: np.random.Generator) -> EditSpec:
+    source = sample_shape(rng)
+    kind = _pick(rng, EDIT_KINDS)
+    if kind == "color":
+        value = _pick(rng, [c for c in COLORS if c != source.color])
+    elif kind == "shape":
+        value = _pick(rng, [s for s in SHAPES if s != source.shape])
+    elif kind == "size":
+        value = "large" if source.size == "small" else "small"
+    else:
+        value = _pick(rng, [cell for cell in POSITIONS.values() if cell != (source.row, source.col)])
+    return apply_edit(source, kind, value)
+
+
+def sample_motion(rng: np.random.Generator, frames: int = 4) -> MotionSpec:
+    cells = list(POSITIONS.values())
+    start = _pick(rng, cells)
+    end = _pick(rng, [c for c in cells if c != start])
+    return MotionSpec(shape=_pick(rng, SHAPES), color=_pick(rng, tuple(COLORS)), size=_pick(rng, SIZES),
+                      start=start, end=end, bg=int(rng.integers(BG_RANGE[0], BG_RANGE[1] + 1)), frames=frames)
+
+
+class ShapesWorld:
+    """Indexable procedural dataset; example i depends only on (seed, task, i)."""
+
+    def __init__(self, seed: int, size: int = 48, frames: int = 4) -> None:
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.seed, self.size, self.frames = int(seed), int(size), int(frames)
+
+    def _rng(self, task: str, index: int) -> np.random.Generator:
+        if index < 0:
+            raise IndexError(f"example index must be >= 0, got {index}")
+        # A fresh generator per example: results never depend on call order.
+        return np.random.default_rng([self.seed, TASK_IDS[task], int(index)])
+
+    def t2i(self, index: int) -> tuple[np.ndarray, str, ShapeSpec]:
+        spec = sample_shape(self._rng("t2i", index))
+        return render(spec, self.size), spec.caption(), spec
+
+    def edit(self, index: int) -> tuple[np.ndarray, np.ndarray, str, EditSpec]:
+        spec = sample_edit(self._rng("edit", index))
+        return render(spec.source, self.size), render(spec.target, self.size), spec.instruction, spec
+
+    def keyframes(self, index: int) -> tuple[np.ndarray, str, MotionSpec]:
+        spec = sample_motion(self._rng("keyframes", index), self.frames)
+        return render_frames(spec, self.size), spec.caption(), spec
+
+
+# --------------------------------------------------------------------------- text
+
+
+@lru_cache(maxsize=1)
+def _all_texts() -> tuple[str, ...]:
+    """Every caption and instruction the world can produce (~3k strings), built with the
+    same functions the sampler uses, so the vocabulary cannot drift from the captions."""
+    texts: list[str] = []
+    for shape in SHAPES:
+        for color in COLORS:
+            for size in SIZES:
+                for cell in POSITIONS.values():
+                    spec = ShapeSpec(shape, color, *cell, size)
+                    texts.append(spec.caption())
+                    texts.append(instruction_for("size", spec, spec))
+                    texts.append(instruction_for("color", spec, spec))
+                    texts += [instruction_for("shape", spec, replace(spec, shape=other)) for other in SHAPES]
+                    for end in POSITIONS.values():
+                        if end != cell:
+                            texts.append(MotionSpec(shape, color, size, cell, end).caption())
+                            texts.append(instruction_for("position", spec, replace(spec, row=end[0], col=end[1])))
+    return tuple(texts)
+
+
+def vocabulary() -> list[str]:
+    """Sorted list of every word that any caption or instruction can contain."""
+    return sorted({word for text in _all_texts() for word in text.split(" ")})
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.lower().strip().rstrip(".").split())
+
+
+_ALT = lambda names: "|".join(sorted(names, key=len, reverse=True))  # noqa: E731 (longest first)
+_SHAPE, _COLOR, _SIZE, _POS = f"({_ALT(SHAPES)})", f"({_ALT(COLORS)})", f"({_ALT(SIZES)})", f"({_ALT(POSITIONS)})"
+_CAPTION_RE = re.compile(rf"an? {_SIZE} {_COLOR} {_SHAPE} in the {_POS}")
+_MOTION_RE = re.compile(rf"an? {_SIZE} {_COLOR} {_SHAPE} moving from the {_POS} to the {_POS}")
+_COLOR_EDIT_RE = re.compile(rf"make the {_SHAPE} {_COLOR}")
+_MOVE_EDIT_RE = re.compile(rf"move it to the {_POS}")
+_SHAPE_EDIT_RE = re.compile(rf"turn the {_SHAPE} into an? {_SHAPE}")
+_SIZE_EDIT_RE = re.compile(rf"make it {_SIZE}")
+
+
+def parse_caption(text: str) -> dict[str, Any]:
+    """'a small red circle in the top left' -> {shape, color, size, row, col}."""
+    m = _CAPTION_RE.fullmatch(_normalise(text))
+    if m is None:
+        raise ValueError(f"cannot parse shapes caption {text!r}")
+    size, color, shape, pos = m.groups()
+    row, col = POSITIONS[pos]
+    return {"shape": shape, "color": color, "size": size, "row": row, "col": col}
+
+
+def parse_motion(text: str) -> dict[str, Any]:
+    """'a small red circle moving from the top left to the center' -> {shape, color, size, start, end}."""
+    m = _MOTION_RE.fullmatch(_normalise(text))
+    if m is None:
+        raise ValueError(f"cannot parse shapes motion caption {text!r}")
+    size, color, shape, start, end = m.groups()
+    if start == end:
+        raise ValueError(f"motion caption {text!r} starts and ends in the same cell")
+    return {"shape": shape, "color": color, "size": size, "start": POSITIONS[start], "end": POSITIONS[end]}
+
+
+def _as_attributes(spec: ShapeSpec | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(spec, ShapeSpec):
+        return spec.attributes()
+    return {k: spec[k] for k in ("shape", "color", "size", "row", "col")}
+
+
+def parse_instruction_kind(text: str, source: ShapeSpec | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Parse an edit instruction against its source scene; returns (kind, target attributes)."""
+    clean = _normalise(text)
+    target = _as_attributes(source)
+    named = None  # the shape the instruction refers to, if it names one
+    if m := _COLOR_EDIT_RE.fullmatch(clean):
+        kind, named, target["color"] = "color", m.group(1), m.group(2)
+    elif m := _SHAPE_EDIT_RE.fullmatch(clean):
+        kind, named, target["shape"] = "shape", m.group(1), m.group(2)
+    elif m := _MOVE_EDIT_RE.fullmatch(clean):
+        kind, (target["row"], target["col"]) = "position", POSITIONS[m.group(1)]
+    elif m := _SIZE_EDIT_RE.fullmatch(clean):
+        kind, target["size"] = "size", m.group(1)
+    else:
+        raise ValueError(f"cannot parse shapes edit instruction {text!r}")
+    source_shape = _as_attributes(source)["shape"]
+    if named is not None and named != source_shape:
+        raise ValueError(f"instruction {text!r} names a {named} but the source shows a {source_shape}")
+    return kind, target
+
+
+def parse_instruction(text: str, source: ShapeSpec | dict[str, Any]) -> dict[str, Any]:
+    """'make the circle blue' + source attributes -> target attributes {shape, color, size, row, col}."""
+    return parse_instruction_kind(text, source)[1]
+
+
+def edit_from_instruction(text: str, source: ShapeSpec) -> EditSpec:
+    """Build the EditSpec an instruction asks for, given the source scene."""
+    kind, target = parse_instruction_kind(text, source)
+    value = (target["row"], target["col"]) if kind == "position" else target[kind]
+    return replace(apply_edit(source, kind, value), instruction=text)

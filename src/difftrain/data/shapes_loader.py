@@ -1,0 +1,164 @@
+"""A deterministic, resumable loader over the shapes world: a mixture of text-to-image, editing and
+keyframe batches by weight.
+
+The batch plan is a pure function of (seed, step, world size, global batch): which task a step
+draws, which examples fill its global batch and how each example is perturbed (caption dropout,
+which keyframes are given). Rank r of W reads slice r of every global batch. The state is a few
+integers, so a run resumes exactly, on any process count that divides the global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from difftrain.data.batch import Batch, assemble
+from difftrain.data.shapes import ShapesWorld
+from difftrain.models.autoencoder import Autoencoder
+
+TASKS = ("t2i", "edit", "keyframes")
+Tokenize = Callable[[list[str]], dict[str, Tensor]]
+
+
+def to_tensor(images_uint8: np.ndarray) -> Tensor:
+    """(..., H, W, 3) uint8 -> (..., 3, H, W) float in [-1, 1]."""
+    x = torch.from_numpy(np.ascontiguousarray(images_uint8)).float() / 127.5 - 1.0
+    return x.movedim(-1, -3)
+
+
+def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, task: str, indices: list[int],
+               keyframe_targets: list[list[bool]] | None = None, dropped: list[bool] | None = None) -> Batch:
+    """Examples ``indices`` of ``task`` as one assembled batch. ``keyframe_targets[b][f]``: frame f of
+    example b is predicted (default: all); ``dropped[b]``: example b gets the empty prompt."""
+    frames: list[np.ndarray] = []
+    prompts: list[str] = []
+    targets: list[list[bool]] = []
+    meta: list[dict] = []
+    for b, i in enumerate(indices):
+        if task == "t2i":
+            img, prompt, spec = world.t2i(i)
+            frames.append(img[None])
+            targets.append([True])
+            meta.append({"index": i, "spec": spec})
+        elif task == "edit":
+            src, tgt, prompt, spec = world.edit(i)
+            frames.append(np.stack([tgt, src]))          # target at index 0, reference at index 1
+            targets.append([True, False])
+            meta.append({"index": i, "spec": spec, "source": src})
+        elif task == "keyframes":
+            seq, prompt, spec = world.keyframes(i)
+            frames.append(seq)
+            targets.append(list(keyframe_targets[b]) if keyframe_targets else [True] * len(seq))
+            meta.append({"index": i, "spec": spec, "frames": seq})
+        else:
+            raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+        prompts.append("" if dropped and dropped[b] else prompt)
+    pixels = to_tensor(np.stack(frames))                   # (B, F, 3, H, W)
+    B, F = pixels.shape[:2]
+    with torch.no_grad():
+        lat = autoencoder.encode(pixels.flatten(0, 1))
+    lat = lat.reshape(B, F, *lat.shape[1:])
+    frame_index = [0] if task == "t2i" else ([0, 1] if task == "edit" else list(range(F)))
+    return assemble(lat, frame_index, torch.tensor(targets), tokenize(prompts), prompts, task, meta)
+
+
+class IndexStream:
+    """Example indices of one task: a fresh permutation of range(n) each epoch, seeded by (seed, task, epoch)."""
+
+    def __init__(self, n: int, seed: int, task_id: int):
+        self.n, self.seed, self.task_id = n, seed, task_id
+        self.epoch, self.pos = 0, 0
+        self._perm: np.ndarray | None = None
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm is None:
+            self._perm = np.random.default_rng([self.seed, self.task_id, self.epoch]).permutation(self.n)
+        return self._perm
+
+    def take(self, count: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < count:
+            perm = self._permutation()
+            k = min(count - len(out), self.n - self.pos)
+            out.extend(int(i) for i in perm[self.pos:self.pos + k])
+            self.pos += k
+            if self.pos == self.n:
+                self.epoch, self.pos, self._perm = self.epoch + 1, 0, None
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos, self._perm = int(state["epoch"]), int(state["pos"]), None
+
+
+class ShapesLoader:
+    def __init__(self, world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, batch_size: int,
+                 weights: dict[str, float], world_size: int, caption_dropout: float = 0.0,
+                 keyframe_cond_prob: float = 0.5, seed: int = 0, rank: int = 0, num_ranks: int = 1):
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
+        self.world, self.autoencoder, self.tokenize = world, autoencoder, tokenize
+        self.batch_size, self.rank, self.num_ranks = batch_size, rank, num_ranks
+        self.global_batch = batch_size * num_ranks
+        self.tasks = [t for t in TASKS if weights.get(t, 0.0) > 0]
+        if not self.tasks:
+            raise ValueError(f"no task has a positive weight: {weights}")
+        w = np.array([weights[t] for t in self.tasks], dtype=np.float64)
+        self.probs = w / w.sum()
+        self.caption_dropout, self.keyframe_cond_prob, self.seed = caption_dropout, keyframe_cond_prob, seed
+        self.streams = {t: IndexStream(world_size, seed, TASKS.index(t)) for t in self.tasks}
+        self.step = 0
+
+    # --- the plan -------------------------------------------------------------------------------
+    def _task_at(self, step: int) -> str:
+        u = np.random.default_rng([self.seed, 101, step]).random()
+        return self.tasks[int(np.searchsorted(np.cumsum(self.probs), u, side="right").clip(0, len(self.tasks) - 1))]
+
+    def _example_rng(self, step: int, slot: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, 202, step, slot])
+
+    def __iter__(self) -> "ShapesLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        step, task = self.step, self._task_at(self.step)
+        indices = self.streams[task].take(self.global_batch)   # every rank advances the same global plan
+        self.step += 1
+        lo = self.rank * self.batch_size
+        slots = range(lo, lo + self.batch_size)
+        return self._build(task, [indices[s] for s in slots], [self._example_rng(step, s) for s in slots])
+
+    # --- materialising examples -----------------------------------------------------------------
+    def _build(self, task: str, indices: list[int], rngs: list[np.random.Generator]) -> Batch:
+        k = self.world.frames
+        targets = [self._keyframe_targets(k, rng) for rng in rngs] if task == "keyframes" else None
+        dropped = [bool(rng.random() < self.caption_dropout) for rng in rngs]
+        return make_batch(self.world, self.autoencoder, self.tokenize, task, indices, targets, dropped)
+
+    def _keyframe_targets(self, k: int, rng: np.random.Generator) -> list[bool]:
+        """All frames are targets, or (with keyframe_cond_prob) a proper subset is given: the first g
+        frames half of the time (continuing a sequence), otherwise g frames at random."""
+        if rng.random() >= self.keyframe_cond_prob:
+            return [True] * k
+        g = int(rng.integers(1, k))
+        given = set(range(g)) if rng.random() < 0.5 else set(rng.choice(k, size=g, replace=False).tolist())
+        return [f not in given for f in range(k)]
+
+    # --- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "global_batch": self.global_batch,
+                "streams": {t: s.state_dict() for t, s in self.streams.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["global_batch"]) != self.global_batch:
+            raise ValueError(f"loader state was saved with global batch {state['global_batch']}, "
+                             f"this run has {self.global_batch}: the data order would differ")
+        self.step = int(state["step"])
+        for t, s in state["streams"].items():
+            if t in self.streams:
+                self.streams[t].load_state_dict(s)

@@ -1,0 +1,96 @@
+"""Rectified flow: x_t = (1 - t) x0 + t eps, target v = eps - x0, MSE on loss-masked tokens.
+
+t = 1 is pure noise (FLUX's sigma). Timesteps are drawn uniform or logit-normal(m, s) and may be
+shifted toward noise, by a fixed factor or by FLUX's resolution rule (mu from the token count).
+The network may predict v directly (FLUX) or the clean sample x (converted to v for the loss):
+for small models over high-dimensional patches, x-prediction keeps samples on the data manifold
+(Li & He 2025, "Back to Basics: Let Denoising Generative Models Denoise").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+T_MIN = 0.05  # floor of t when dividing by it (x-prediction -> v); avoids 1/t blow-up near clean
+
+
+@dataclass(frozen=True)
+class FlowSpec:
+    timesteps: str = "logit-normal"   # "uniform" | "logit-normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: str = "none"               # "none" | "fixed" | "resolution"
+    shift_value: float = 1.0
+    prediction: str = "v"             # "v" | "x"
+
+    @classmethod
+    def from_config(cls, d) -> "FlowSpec":
+        return cls(d.timesteps, d.logit_mean, d.logit_std, d.shift, d.shift_value, d.prediction)
+
+
+def flux_mu(image_tokens: int, lo: tuple[int, float] = (256, 0.5), hi: tuple[int, float] = (4096, 1.15)) -> float:
+    """FLUX's mu: linear in the image token count, 0.5 at 256 tokens and 1.15 at 4096."""
+    slope = (hi[1] - lo[1]) / (hi[0] - lo[0])
+    return lo[1] + slope * (image_tokens - lo[0])
+
+
+def shift_factor(kind: str, value: float, image_tokens: int) -> float:
+    if kind == "none":
+        return 1.0
+    if kind == "fixed":
+        return value
+    if kind == "resolution":
+        return math.exp(flux_mu(image_tokens))
+    raise ValueError(f"unknown shift {kind!r}")
+
+
+def shift_t(t: Tensor, s: float) -> Tensor:
+    """t' = s t / (1 + (s - 1) t): the same as FLUX's e^mu / (e^mu + (1/t - 1)) with s = e^mu."""
+    return s * t / (1 + (s - 1) * t) if s != 1.0 else t
+
+
+def sample_t(n: int, spec: FlowSpec, image_tokens: int, generator: torch.Generator | None = None,
+             device: torch.device | str = "cpu") -> Tensor:
+    if spec.timesteps == "uniform":
+        t = torch.rand(n, generator=generator, device=device)
+    elif spec.timesteps == "logit-normal":
+        t = torch.sigmoid(spec.logit_mean + spec.logit_std * torch.randn(n, generator=generator, device=device))
+    else:
+        raise ValueError(f"unknown timestep distribution {spec.timesteps!r}")
+    return shift_t(t, shift_factor(spec.shift, spec.shift_value, image_tokens))
+
+
+def noisy_input(x0_BLC: Tensor, eps_BLC: Tensor, t_B: Tensor, mask_BL: Tensor) -> Tensor:
+    """x_t on target tokens; conditioning tokens (mask False) stay clean."""
+    t = t_B.view(-1, 1, 1).to(x0_BLC.dtype)
+    xt = (1 - t) * x0_BLC + t * eps_BLC
+    return torch.where(mask_BL[..., None], xt, x0_BLC)
+
+
+def to_velocity(out_BLC: Tensor, xt_BLC: Tensor, t_B: Tensor, prediction: str) -> Tensor:
+    """The network output as a velocity v = eps - x0."""
+    if prediction == "v":
+        return out_BLC
+    if prediction == "x":
+        return (xt_BLC - out_BLC) / t_B.clamp(min=T_MIN).view(-1, 1, 1).to(out_BLC.dtype)
+    raise ValueError(f"unknown prediction {prediction!r}")
+
+
+def per_sample_error(v_pred_BLC: Tensor, x0_BLC: Tensor, eps_BLC: Tensor, mask_BL: Tensor) -> Tensor:
+    """Mean over target tokens and channels of (v_pred - (eps - x0))^2, per sample, in float32.
+    (Diffusion-DPO compares these per-sample errors between policy and reference.)"""
+    err = (v_pred_BLC.float() - (eps_BLC.float() - x0_BLC.float())).pow(2).mean(-1)
+    m = mask_BL.float()
+    return (err * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def flow_loss(v_pred_BLC: Tensor, x0_BLC: Tensor, eps_BLC: Tensor, mask_BL: Tensor) -> Tensor:
+    """Scalar loss: the mean over every target token of the batch (so a sample with more target
+    tokens, e.g. more keyframes, weighs more, as in a packed sequence)."""
+    err = (v_pred_BLC.float() - (eps_BLC.float() - x0_BLC.float())).pow(2).mean(-1)
+    m = mask_BL.float()
+    return (err * m).sum() / m.sum().clamp(min=1.0)

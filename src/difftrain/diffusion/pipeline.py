@@ -1,0 +1,87 @@
+"""The model-bound side of diffusion: text embedding, the velocity of a batch's tokens, sampling with
+CFG and decoding to pixels. Used by training (sample grids), ``sample`` and ``eval``."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from difftrain.data.batch import Batch, frames_of
+from difftrain.diffusion.flow import FlowSpec, shift_factor, to_velocity
+from difftrain.diffusion.sampler import euler_sample, guided
+from difftrain.models.autoencoder import Autoencoder
+from difftrain.models.text import TextEmbedding
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """bf16 autocast when asked for; a no-op context in float32."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class Pipeline:
+    def __init__(self, model: nn.ModuleDict, text_encoder: nn.Module, autoencoder: Autoencoder, flow: FlowSpec,
+                 device: torch.device | str = "cpu", amp_dtype: torch.dtype | None = None,
+                 guidance: float | None = None):
+        self.model, self.text_encoder, self.autoencoder, self.flow = model, text_encoder, autoencoder, flow
+        self.device, self.amp_dtype = torch.device(device), amp_dtype
+        self.guidance = guidance   # for guidance-embedding models (FLUX.1-dev), the embedded scale
+
+    @property
+    def dit(self) -> nn.Module:
+        return self.model["dit"]
+
+    def embed(self, tokens: dict[str, Tensor]) -> TextEmbedding:
+        tokens = {k: v.to(self.device) for k, v in tokens.items()}
+        with autocast(self.device, self.amp_dtype):
+            return self.text_encoder(tokens)
+
+    def velocity(self, x_BLC: Tensor, ids_BL3: Tensor, t_B: Tensor, emb: TextEmbedding) -> Tensor:
+        g = None
+        if self.dit.params.guidance_embed:
+            g = torch.full_like(t_B, self.guidance if self.guidance is not None else 1.0)
+        with autocast(self.device, self.amp_dtype):
+            out = self.dit(x_BLC, ids_BL3, emb.txt_BTD, t_B, emb.pooled_BP, g, txt_mask_BT=None)
+        return to_velocity(out.float(), x_BLC.float(), t_B, self.flow.prediction)
+
+    @torch.no_grad()
+    def sample(self, batch: Batch, steps: int = 20, cfg_scale: float = 4.0, shift: float | None = None,
+               seed: int = 0) -> Tensor:
+        """Generate the target frames of ``batch`` (its conditioning frames are kept); latents (B, F, C, H, W)."""
+        batch = batch.to(self.device)
+        B = len(batch)
+        _, H, W = batch.grid
+        if shift is None:
+            shift = shift_factor(self.flow.shift, self.flow.shift_value, (H // 2) * (W // 2))
+        cond = self.embed(batch.tokens)
+        if cfg_scale != 1.0:
+            uncond = self.embed(self.text_encoder.tokenize([""] * B))
+            both = TextEmbedding(torch.cat((cond.txt_BTD, uncond.txt_BTD)),
+                                 torch.cat((cond.pooled_BP, uncond.pooled_BP)),
+                                 torch.cat((cond.mask_BT, uncond.mask_BT)))
+            ids2 = batch.ids_BL3.repeat(2, 1, 1)
+
+            def v_cu(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+                v = self.velocity(x.repeat(2, 1, 1), ids2, t.repeat(2), both)
+                return v[:B], v[B:]
+
+            vel = guided(v_cu, cfg_scale)
+        else:
+            def vel(x: Tensor, t: Tensor) -> Tensor:
+                return self.velocity(x, batch.ids_BL3, t, cond)
+
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        x = euler_sample(vel, batch.x0_BLC, batch.loss_mask_BL, steps, shift, gen)
+        return frames_of(x, batch.grid)
+
+    @torch.no_grad()
+    def to_images(self, latents_BFCHW: Tensor) -> np.ndarray:
+        """Latents -> uint8 images (B, F, H, W, 3)."""
+        B, F = latents_BFCHW.shape[:2]
+        px = self.autoencoder.decode(latents_BFCHW.flatten(0, 1).float()).cpu()
+        img = ((px.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+        return img.reshape(B, F, *img.shape[1:]).numpy()

@@ -1,0 +1,63 @@
+"""Load a checkpoint for inference and generate from user inputs (``difftrain sample``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from difftrain.config import Config, from_dict
+from difftrain.data.batch import Batch, assemble
+from difftrain.data.shapes_loader import to_tensor
+from difftrain.diffusion.flow import FlowSpec
+from difftrain.diffusion.pipeline import Pipeline
+from difftrain.errors import UserError
+from difftrain.models import build_autoencoder, build_model, build_text_encoder
+from difftrain.train.checkpoint import Checkpointer
+from difftrain.train.trainer import amp_dtype, pick_device
+
+
+def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, use_ema: bool = True
+                  ) -> tuple[Pipeline, Config, dict]:
+    """A ready pipeline from a checkpoint directory (or a run directory, or ``.../checkpoints/latest``),
+    with the EMA weights when the run kept them."""
+    info = Checkpointer.read_info(checkpoint)
+    cfg = from_dict(info["config"], f"{info['path']}/trainer.json")
+    device = device or pick_device()
+    ae = build_autoencoder(cfg.autoencoder.kind, cfg.autoencoder.factor, cfg.autoencoder.path,
+                           cfg.autoencoder.scaling, cfg.autoencoder.shift)
+    vocab = info.get("text_encoder", {}).get("vocabulary")
+    text = build_text_encoder(cfg, vocab, device)
+    model = build_model(cfg, text, ae, device)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    if use_ema and cfg.train.ema_decay > 0:
+        weights = Checkpointer.load_tensors(info["path"], "ema", params)
+    else:
+        weights = Checkpointer.load_tensors(info["path"], "model", params)
+    model.load_state_dict(weights, strict=False)
+    model.eval().requires_grad_(False)
+    pipe = Pipeline(model, text, ae, FlowSpec.from_config(cfg.diffusion), device,
+                    amp_dtype(cfg.train.precision, device))
+    return pipe, cfg, info
+
+
+def request_batch(pipe: Pipeline, cfg: Config, prompts: list[str], edit_image=None, frames: int | None = None) -> Batch:
+    """The batch that ``sample`` fills in: t2i (default), editing (``edit_image`` as reference at index 1)
+    or ``frames`` keyframes (all generated)."""
+    if frames is not None and frames < 1:
+        raise UserError(f"--frames {frames}: expected a number of keyframes >= 1")
+    if frames is not None and edit_image is not None:
+        raise UserError("--frames and --edit cannot be combined: a request is one task")
+    ae, size = pipe.autoencoder, cfg.data.image_size
+    B = len(prompts)
+    lat_hw = size // ae.factor
+    C = ae.latent_channels
+    tokens = pipe.text_encoder.tokenize(prompts)
+    if edit_image is not None:
+        ref = ae.encode(to_tensor(edit_image[None]).to(pipe.device)).expand(B, -1, -1, -1)
+        lat = torch.stack((torch.zeros_like(ref), ref), dim=1)
+        return assemble(lat, [0, 1], torch.tensor([[True, False]] * B), tokens, prompts, "edit")
+    k = frames or 1
+    lat = torch.zeros(B, k, C, lat_hw, lat_hw, device=pipe.device)
+    return assemble(lat, list(range(k)), torch.ones(B, k, dtype=torch.bool), tokens, prompts,
+                    "keyframes" if frames else "t2i")

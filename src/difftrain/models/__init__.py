@@ -1,0 +1,72 @@
+"""The DiT, its encoders and the state-dict adapters; ``build_*`` turn a config into modules."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from difftrain.config.schema import Config
+from difftrain.errors import UserError
+from difftrain.models.autoencoder import Autoencoder, build_autoencoder
+from difftrain.models.dit import DiTParams, MMDiT, num_params
+from difftrain.models.text import WordTextEncoder
+
+
+def build_text_encoder(cfg: Config, vocabulary: list[str] | None = None, device: torch.device | str = "cpu"):
+    t = cfg.text
+    if t.kind == "words":
+        if vocabulary is None:
+            from difftrain.data.shapes import vocabulary as shapes_vocabulary
+            vocabulary = shapes_vocabulary()
+        return WordTextEncoder(vocabulary, t.max_tokens, t.dim, t.layers).to(device)
+    from difftrain.models.hf_text import HFTextEncoder
+    return HFTextEncoder.from_paths(t.t5_path, t.clip_path, t.max_tokens, t.dtype, device=device)
+
+
+def dit_params(cfg: Config, in_channels: int | None = None, text_dim: int | None = None,
+               pooled_dim: int | None = None) -> DiTParams:
+    """Model params from the config; channels/widths set to 0 there are taken from the encoders."""
+    m = cfg.model
+    resolved = {}
+    for name, given, derived in (("in_channels", m.in_channels, in_channels), ("text_dim", m.text_dim, text_dim),
+                                 ("pooled_dim", m.pooled_dim, pooled_dim)):
+        if given and derived and given != derived:
+            raise UserError(f"model.{name} = {given} but the encoders give {derived}: set it to 0 or {derived}")
+        value = given or derived
+        if not value:
+            raise UserError(f"model.{name} is 0 and cannot be taken from an encoder here: set it explicitly")
+        resolved[name] = value
+    return DiTParams(hidden=m.hidden, heads=m.heads, double_blocks=m.double_blocks, single_blocks=m.single_blocks,
+                     mlp_ratio=m.mlp_ratio, axes_dims_rope=tuple(m.axes_dims_rope), rope_theta=m.rope_theta,
+                     guidance_embed=m.guidance_embed, qkv_bias=m.qkv_bias, **resolved)
+
+
+def config_dit_params(cfg: Config) -> DiTParams:
+    """Params without loading any encoder: widths the config leaves at 0 are inferred where the built-in
+    encoders fix them (pixel-unshuffle, words), else the config must state them (large presets do)."""
+    in_ch = 3 * cfg.autoencoder.factor ** 2 * 4 if cfg.autoencoder.kind == "pixel-unshuffle" else None
+    words = cfg.text.dim if cfg.text.kind == "words" else None
+    return dit_params(cfg, in_ch, words, words)
+
+
+def build_dit(params: DiTParams, init: str = "zero-out", device: torch.device | str = "cpu") -> MMDiT:
+    """On 'meta' the model is shapes only (for counting, or to materialise after sharding)."""
+    with torch.device(device):
+        model = MMDiT(params)
+    if str(device) != "meta":
+        model.init_weights(init)
+    return model
+
+
+def build_model(cfg: Config, text_encoder: nn.Module, autoencoder: Autoencoder,
+                device: torch.device | str = "cpu") -> nn.ModuleDict:
+    """The trainable module: {"dit"} plus {"text"} when the text encoder is trained with it."""
+    params = dit_params(cfg, autoencoder.latent_channels * 4, text_encoder.dim, text_encoder.pooled_dim)
+    modules = {"dit": build_dit(params, cfg.model.init, device)}
+    if getattr(text_encoder, "trainable", False):
+        modules["text"] = text_encoder
+    return nn.ModuleDict(modules)
+
+
+__all__ = ["DiTParams", "MMDiT", "num_params", "build_text_encoder", "build_autoencoder", "build_dit",
+           "build_model", "dit_params", "config_dit_params"]

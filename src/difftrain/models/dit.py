@@ -1,0 +1,147 @@
+"""The FLUX-style MMDiT: double-stream blocks, then single-stream blocks, adaLN from (t, pooled text,
+guidance), RMS QK-norm, 3D RoPE, and 2x2 patchify of latents.
+
+The model is single-device and task-agnostic: it sees a token sequence with position ids and a
+per-sample timestep. Text-to-image, editing and keyframes differ only in how ``data.batch``
+assembles that sequence. Distribution (FSDP, compile) is applied from outside (``parallel``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.models.layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
+from difftrain.models.rope import rope_angles
+
+
+@dataclass(frozen=True)
+class DiTParams:
+    in_channels: int = 64          # latent channels x 4 (2x2 patches)
+    text_dim: int = 4096           # T5-XXL width for FLUX
+    pooled_dim: int = 768          # CLIP-L pooled width for FLUX
+    hidden: int = 3072
+    heads: int = 24
+    double_blocks: int = 19
+    single_blocks: int = 38
+    mlp_ratio: float = 4.0
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    rope_theta: float = 10000.0
+    guidance_embed: bool = False
+    qkv_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} must be divisible by heads {self.heads}")
+        if sum(self.axes_dims_rope) != self.hidden // self.heads:
+            raise ValueError(f"axes_dims_rope {tuple(self.axes_dims_rope)} must sum to the head dim "
+                             f"{self.hidden // self.heads}")
+        if any(d % 2 for d in self.axes_dims_rope):
+            raise ValueError(f"axes_dims_rope {tuple(self.axes_dims_rope)} must be even")
+        for name in ("in_channels", "text_dim", "pooled_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+class MMDiT(nn.Module):
+    def __init__(self, p: DiTParams):
+        super().__init__()
+        self.params = p
+        self.img_in = nn.Linear(p.in_channels, p.hidden)
+        self.txt_in = nn.Linear(p.text_dim, p.hidden)
+        self.time_in = MLPEmbedder(256, p.hidden)
+        self.vector_in = MLPEmbedder(p.pooled_dim, p.hidden)
+        self.guidance_in = MLPEmbedder(256, p.hidden) if p.guidance_embed else None
+        self.double_blocks = nn.ModuleList(
+            DoubleStreamBlock(p.hidden, p.heads, p.mlp_ratio, p.qkv_bias) for _ in range(p.double_blocks))
+        self.single_blocks = nn.ModuleList(
+            SingleStreamBlock(p.hidden, p.heads, p.mlp_ratio) for _ in range(p.single_blocks))
+        self.final_layer = LastLayer(p.hidden, p.in_channels)
+
+    def forward(self, img_BLC: Tensor, img_ids_BL3: Tensor, txt_BTD: Tensor, t_B: Tensor, pooled_BP: Tensor,
+                guidance_B: Tensor | None = None, txt_ids_BT3: Tensor | None = None,
+                txt_mask_BT: Tensor | None = None) -> Tensor:
+        """Predict (B, L, C) for every image token; the caller decides which tokens the loss sees."""
+        B, T = txt_BTD.shape[:2]
+        img, txt = self.img_in(img_BLC), self.txt_in(txt_BTD)
+        vec = self.time_in(timestep_embedding(t_B).to(img.dtype)) + self.vector_in(pooled_BP)
+        if self.guidance_in is not None:
+            if guidance_B is None:
+                raise ValueError("this model embeds a guidance scale: pass guidance_B")
+            vec = vec + self.guidance_in(timestep_embedding(guidance_B).to(img.dtype))
+        if txt_ids_BT3 is None:
+            txt_ids_BT3 = torch.zeros(B, T, 3, dtype=img_ids_BL3.dtype, device=img_ids_BL3.device)
+        rope = rope_angles(torch.cat((txt_ids_BT3, img_ids_BL3), 1), self.params.axes_dims_rope,
+                           self.params.rope_theta)
+        mask = None
+        if txt_mask_BT is not None and not bool(txt_mask_BT.all()):
+            keep = torch.ones(B, img.shape[1], dtype=torch.bool, device=img.device)
+            mask = torch.cat((txt_mask_BT.bool(), keep), 1)[:, None, None, :]
+        for block in self.double_blocks:
+            img, txt = block(img, txt, vec, rope, mask)
+        x = torch.cat((txt, img), 1)
+        for block in self.single_blocks:
+            x = block(x, vec, rope, mask)
+        return self.final_layer(x[:, T:], vec)
+
+    @torch.no_grad()
+    def init_weights(self, scheme: str = "zero-out") -> None:
+        """Xavier linears with zero bias; 'zero-out' also zeroes every modulation and the output head,
+        so each block starts as the identity (adaLN-zero, as DiT)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif hasattr(m, "reset_parameters") and not isinstance(m, nn.Linear):
+                m.reset_parameters()
+        for emb in (self.time_in, self.vector_in, self.guidance_in):
+            if emb is not None:
+                nn.init.normal_(emb.in_layer.weight, std=0.02)
+                nn.init.normal_(emb.out_layer.weight, std=0.02)
+        if scheme == "zero-out":
+            for block in list(self.double_blocks) + list(self.single_blocks):
+                for mod in block.modules():
+                    if type(mod).__name__ == "Modulation":
+                        nn.init.zeros_(mod.lin.weight)
+                        nn.init.zeros_(mod.lin.bias)
+            nn.init.zeros_(self.final_layer.adaLN_modulation[1].weight)
+            nn.init.zeros_(self.final_layer.adaLN_modulation[1].bias)
+            nn.init.zeros_(self.final_layer.linear.weight)
+            nn.init.zeros_(self.final_layer.linear.bias)
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def patchify(latent_BCHW: Tensor, p: int = 2) -> Tensor:
+    """(B, C, H, W) -> (B, H/p * W/p, C*p*p), channels ordered (c, ph, pw) as FLUX packs latents."""
+    B, C, H, W = latent_BCHW.shape
+    if H % p or W % p:
+        raise ValueError(f"latent {H}x{W} is not divisible by the patch size {p}")
+    x = latent_BCHW.view(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(B, (H // p) * (W // p), C * p * p)
+
+
+def unpatchify(tokens_BLC: Tensor, h: int, w: int, p: int = 2) -> Tensor:
+    """Inverse of ``patchify`` for a latent of h x w (latent pixels)."""
+    B, L, Cpp = tokens_BLC.shape
+    if L != (h // p) * (w // p):
+        raise ValueError(f"{L} tokens do not tile a {h}x{w} latent with {p}x{p} patches")
+    C = Cpp // (p * p)
+    x = tokens_BLC.reshape(B, h // p, w // p, C, p, p).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(B, C, h, w)
+
+
+def image_ids(h_tokens: int, w_tokens: int, index: int = 0, device: torch.device | None = None) -> Tensor:
+    """Position ids (h*w, 3) of one image's tokens: (index, row, col), row-major as ``patchify``."""
+    rows = torch.arange(h_tokens, device=device).repeat_interleave(w_tokens)
+    cols = torch.arange(w_tokens, device=device).repeat(h_tokens)
+    return torch.stack((torch.full_like(rows, index), rows, cols), dim=-1)

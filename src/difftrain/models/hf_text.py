@@ -1,0 +1,145 @@
+"""Frozen transformers text encoders, as FLUX uses them: T5 gives the token sequence for joint
+attention, CLIP the pooled vector for adaLN. Either may be left out ('' path):
+- T5 only: pooled = masked mean of the T5 sequence;
+- CLIP only: the sequence is CLIP's last_hidden_state (at most CLIP's 77 positions).
+
+Accepted paths (loaded with ``local_files_only=True``, nothing is downloaded):
+- a model folder holding config.json, the weights and the tokenizer files together; or
+- a diffusers FLUX-style pipeline folder: ``text_encoder_2/`` + ``tokenizer_2/`` is taken as T5 and
+  ``text_encoder/`` + ``tokenizer/`` as CLIP, so both keys may name the same pipeline folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.errors import UserError
+from difftrain.models.text import TextEmbedding, warn_truncated
+
+# config model_type values each loader can build (checked first, for a clear message).
+_KINDS = {"t5": ("t5", "mt5"), "clip": ("clip", "clip_text_model")}
+_PIPELINE_DIRS = {"t5": ("text_encoder_2", "tokenizer_2"), "clip": ("text_encoder", "tokenizer")}
+
+
+def _resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype == "fp32":
+        return torch.float32
+    if dtype == "bf16":
+        return torch.bfloat16
+    if dtype == "auto":  # bf16 matmuls on a CPU are slower than fp32, so only where CUDA has them
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    raise UserError(f"text.dtype = {dtype!r}: expected 'auto', 'bf16' or 'fp32'")
+
+
+def _load(kind: str, path: str, dtype: torch.dtype):
+    """(model, tokenizer) from a model folder or a pipeline folder; UserError on anything wrong."""
+    from transformers import AutoConfig, AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    key = f"text.{kind}_path"
+    p = Path(path)
+    model_sub, tok_sub = _PIPELINE_DIRS[kind]
+    model_dir, tok_dir = (p / model_sub, p / tok_sub) if (p / model_sub / "config.json").is_file() else (p, p)
+    what = (f"expected a transformers {'T5' if kind == 't5' else 'CLIP text'} model folder "
+            f"(config.json, weights, tokenizer files) or a pipeline folder with {model_sub}/ and {tok_sub}/")
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"{key} = {path!r}: no config.json there; {what}")
+    try:
+        model_type = AutoConfig.from_pretrained(model_dir, local_files_only=True).model_type
+        if model_type not in _KINDS[kind]:
+            raise UserError(f"{key} = {path!r}: holds a {model_type!r} model; {what}")
+        cls = T5EncoderModel if kind == "t5" else CLIPTextModel
+        # dtype at load time avoids a transient fp32 copy of a 4.7B-parameter T5-XXL.
+        model = cls.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    except UserError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{key} = {path!r}: cannot load ({msg}); {what}") from None
+    return model.to(dtype).eval().requires_grad_(False), tokenizer
+
+
+class HFTextEncoder(nn.Module):
+    """Frozen T5 and/or CLIP. Outputs are float32 whatever the compute dtype, so the DiT's autocast
+    (not the encoder's storage dtype) decides the precision downstream."""
+
+    trainable = False
+
+    def __init__(self, t5=None, t5_tokenizer=None, clip=None, clip_tokenizer=None, max_tokens: int = 512,
+                 paths: tuple[str, str] = ("", "")):
+        super().__init__()
+        if t5 is None and clip is None:
+            raise UserError("text.kind = 'hf' needs text.t5_path and/or text.clip_path")
+        self.t5, self.t5_tokenizer, self.clip, self.clip_tokenizer = t5, t5_tokenizer, clip, clip_tokenizer
+        self.paths = paths
+        self.clip_limit = 0
+        if clip is not None:  # 77 for every released CLIP; positions beyond it do not exist
+            self.clip_limit = min(clip.config.max_position_embeddings, clip_tokenizer.model_max_length)
+        # CLIP alone cannot give more positions than it has; the effective length is what callers see.
+        self.max_tokens = max_tokens if t5 is not None else min(max_tokens, self.clip_limit)
+        self.dim = t5.config.d_model if t5 is not None else clip.config.hidden_size
+        self.pooled_dim = clip.config.hidden_size if clip is not None else t5.config.d_model
+        self.eval()
+
+    @classmethod
+    def from_paths(cls, t5_path: str, clip_path: str, max_tokens: int = 512, dtype: str = "auto",
+                   device: torch.device | str | None = None) -> "HFTextEncoder":
+        if not (t5_path or clip_path):
+            raise UserError("text.kind = 'hf' needs text.t5_path and/or text.clip_path")
+        dt = _resolve_dtype(dtype)
+        t5, t5_tok = _load("t5", t5_path, dt) if t5_path else (None, None)
+        clip, clip_tok = _load("clip", clip_path, dt) if clip_path else (None, None)
+        enc = cls(t5, t5_tok, clip, clip_tok, max_tokens, (t5_path, clip_path))
+        return enc.to(device) if device is not None else enc
+
+    def train(self, mode: bool = True) -> "HFTextEncoder":
+        # Frozen: a parent's .train() must not switch on T5's dropout.
+        return super().train(False)
+
+    @staticmethod
+    def _encode(tokenizer, prompts: list[str], length: int) -> tuple[Tensor, Tensor]:
+        # Count without truncation first, so the warning can say how long the prompt really was.
+        counts = [len(ids) for ids in tokenizer(prompts, verbose=False)["input_ids"]]
+        for prompt, n in zip(prompts, counts):
+            if n > length:
+                warn_truncated(prompt, n, length)
+        # Pad to the full length (as FLUX): static shapes for compilation and for cached embeddings.
+        out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
+                        return_tensors="pt")
+        return out["input_ids"], out["attention_mask"].bool()
+
+    def tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
+        tokens: dict[str, Tensor] = {}
+        if self.t5 is not None:
+            tokens["t5_ids"], tokens["t5_mask"] = self._encode(self.t5_tokenizer, prompts, self.max_tokens)
+        if self.clip is not None:
+            length = self.clip_limit if self.t5 is not None else self.max_tokens
+            tokens["clip_ids"], tokens["clip_mask"] = self._encode(self.clip_tokenizer, prompts, length)
+        return tokens
+
+    @torch.no_grad()
+    def forward(self, tokens: dict[str, Tensor]) -> TextEmbedding:
+        device = next(self.parameters()).device  # tokens are made on the CPU by data loaders
+        if self.t5 is not None:
+            # No attention_mask, as FLUX: its DiT was trained on T5 states computed over the padding
+            # too, so masking here would feed a pretrained FLUX different text features.
+            txt = self.t5(input_ids=tokens["t5_ids"].to(device)).last_hidden_state.float()
+            mask = tokens["t5_mask"].to(device)
+        if self.clip is not None:
+            # CLIP is causal and pools at the first EOS, so padding after it cannot change the pooled
+            # vector; FLUX does not pass the mask either.
+            out = self.clip(input_ids=tokens["clip_ids"].to(device))
+            pooled = out.pooler_output.float()
+            if self.t5 is None:
+                txt, mask = out.last_hidden_state.float(), tokens["clip_mask"].to(device)
+        else:
+            m = mask[..., None].to(txt.dtype)
+            pooled = (txt * m).sum(1) / m.sum(1).clamp(min=1.0)
+        return TextEmbedding(txt, pooled, mask)
+
+    def extra_state(self) -> dict:
+        """What a checkpoint needs to rebuild this encoder (the weights stay in their own folders)."""
+        return {"kind": "hf", "t5_path": self.paths[0], "clip_path": self.paths[1], "max_tokens": self.max_tokens}

@@ -1,0 +1,98 @@
+"""Text encoders behind one interface: ``tokenize(prompts) -> tokens`` then ``forward(tokens) ->
+TextEmbedding`` (a sequence for joint attention and a pooled vector for adaLN).
+
+Two kinds:
+- ``WordTextEncoder``: a small transformer over a fixed word vocabulary, trained together with the
+  DiT. It is how a world trained from scratch (the shapes world) gets text features.
+- ``HFTextEncoder`` (``hf_text.py``): frozen transformers T5 (sequence) and CLIP (pooled), as FLUX.
+Tokenizing is separate from encoding so data loaders can tokenize on the CPU ahead of time.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+PAD, UNK = "<pad>", "<unk>"
+
+
+@dataclass
+class TextEmbedding:
+    txt_BTD: Tensor      # sequence embedding for joint attention
+    pooled_BP: Tensor    # pooled vector for adaLN modulation
+    mask_BT: Tensor      # True on real tokens (padding is attended anyway, as FLUX; kept for packing)
+
+
+class PromptTooLong(UserWarning):
+    """A prompt had more tokens than the encoder's limit and was truncated."""
+
+
+def warn_truncated(prompt: str, n_tokens: int, limit: int) -> None:
+    warnings.warn(f"prompt {prompt[:60]!r}{'...' if len(prompt) > 60 else ''} has {n_tokens} tokens; "
+                  f"truncated to the encoder's limit of {limit}", PromptTooLong, stacklevel=3)
+
+
+def words_of(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class WordTextEncoder(nn.Module):
+    """Word embeddings + learned positions + a few pre-norm transformer layers; pooled = masked mean."""
+
+    trainable = True
+
+    def __init__(self, vocabulary: list[str], max_tokens: int = 16, dim: int = 128, layers: int = 1,
+                 heads: int = 4):
+        super().__init__()
+        self.vocabulary = [PAD, UNK] + [w for w in vocabulary if w not in (PAD, UNK)]
+        self.index = {w: i for i, w in enumerate(self.vocabulary)}
+        self.max_tokens, self.dim, self.pooled_dim = max_tokens, dim, dim
+        self.embed = nn.Embedding(len(self.vocabulary), dim)
+        self.pos = nn.Parameter(torch.zeros(max_tokens, dim))
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, max(1, min(heads, dim // 16)), 4 * dim, dropout=0.0,
+                                       activation="gelu", batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
+        ids = torch.zeros(len(prompts), self.max_tokens, dtype=torch.long)
+        unknown: set[str] = set()
+        for row, prompt in enumerate(prompts):
+            words = words_of(prompt)
+            if len(words) > self.max_tokens:
+                warn_truncated(prompt, len(words), self.max_tokens)
+                words = words[: self.max_tokens]
+            for col, w in enumerate(words):
+                ids[row, col] = self.index.get(w, 1)
+                if w not in self.index:
+                    unknown.add(w)
+        if unknown:
+            warnings.warn(f"words not in the encoder's vocabulary (read as <unk>): {sorted(unknown)}",
+                          stacklevel=2)
+        return {"ids": ids}
+
+    def forward(self, tokens: dict[str, Tensor]) -> TextEmbedding:
+        ids = tokens["ids"]
+        mask = ids != 0
+        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        m = mask[..., None].to(x.dtype)
+        pooled = (x * m).sum(1) / m.sum(1).clamp(min=1.0)
+        return TextEmbedding(x, pooled, mask)
+
+    def extra_state(self) -> dict:
+        """What a checkpoint needs to rebuild this encoder (the vocabulary is data, not code)."""
+        return {"kind": "words", "vocabulary": self.vocabulary[2:], "max_tokens": self.max_tokens,
+                "dim": self.dim, "layers": len(self.layers)}

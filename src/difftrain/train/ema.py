@@ -1,0 +1,58 @@
+"""Exponential moving average of the trainable weights, kept in float32 whatever the training dtype.
+
+The decay warms up as min(decay, (1 + n) / (10 + n)) so a short run's EMA is not dominated by its
+random initialisation. ``applied(model)`` swaps the EMA weights in for sampling and evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor, nn
+
+
+class EMA:
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.updates = 0
+        self.shadow: dict[str, Tensor] = {
+            name: p.detach().float().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+    def current_decay(self) -> float:
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        d = self.current_decay()
+        params = [p for name, p in model.named_parameters() if name in self.shadow]
+        shadows = [self.shadow[name] for name, p in model.named_parameters() if name in self.shadow]
+        torch._foreach_lerp_(shadows, [p.detach().float() for p in params], 1.0 - d)
+        self.updates += 1
+
+    @contextlib.contextmanager
+    def applied(self, model: nn.Module):
+        """Temporarily load the EMA weights into ``model`` (restored on exit, even on error)."""
+        backup = {}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in self.shadow:
+                    backup[name] = p.detach().clone()
+                    p.copy_(self.shadow[name])
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name in backup:
+                        p.copy_(backup[name])
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        missing = self.shadow.keys() - state.keys()
+        if missing:
+            raise KeyError(f"EMA state lacks {sorted(missing)[:3]}...")
+        for k in self.shadow:
+            self.shadow[k].copy_(state[k])

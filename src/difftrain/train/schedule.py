@@ -1,0 +1,18 @@
+"""Learning-rate schedule as a pure function of the step: its state is the step itself."""
+
+from __future__ import annotations
+
+import math
+
+
+def lr_at(step: int, peak: float, total: int, warmup: int, kind: str = "cosine", min_ratio: float = 0.1) -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then constant or cosine to ``min_ratio * peak``."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    if kind == "constant":
+        return peak
+    if kind != "cosine":
+        raise ValueError(f"unknown schedule {kind!r}")
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -1,0 +1,83 @@
+import json
+import tomllib
+
+import pytest
+
+from difftrain.cli import REPO_CONFIGS, main
+from difftrain.config import Config, from_dict, load_config, to_toml
+from difftrain.config.load import parse_override
+from difftrain.errors import UserError
+from difftrain.models import build_dit, config_dit_params, num_params
+
+
+def test_defaults_validate_and_round_trip_through_toml():
+    cfg = load_config(None)
+    assert isinstance(cfg, Config)
+    assert from_dict(tomllib.loads(to_toml(cfg))) == cfg
+
+
+@pytest.mark.parametrize("preset", ["shapes-tiny", "flux-dev", "dit-24b"])
+def test_presets_load_and_round_trip(preset):
+    cfg = load_config(REPO_CONFIGS / f"{preset}.toml")
+    assert from_dict(tomllib.loads(to_toml(cfg))) == cfg
+
+
+def test_overrides_are_typed_and_applied():
+    cfg = load_config(REPO_CONFIGS / "shapes-tiny.toml",
+                      ["train.lr=2e-4", "train.compile=true", "model.axes_dims_rope=[8, 8, 16]", "run.name=abc"])
+    assert cfg.train.lr == 2e-4 and cfg.train.compile is True
+    assert cfg.model.axes_dims_rope == [8, 8, 16] and cfg.run.name == "abc"
+    assert parse_override("run.name=hello world") == (["run", "name"], "hello world")
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.lr=abc", ["train.lr", "'abc'", "number"]),
+    ("train.steps=1.5", ["train.steps", "integer"]),
+    ("train.steps=-1", ["train.steps", "-1", ">= 0"]),
+    ("train.beta2=1.0", ["train.beta2", "< 1"]),
+    ("diffusion.timesteps=gauss", ["diffusion.timesteps", "'gauss'", "'uniform'"]),
+    ("train.compile=1", ["train.compile", "true or false"]),
+    ("train.nope=1", ["train.nope", "unknown key"]),
+    ("nope.lr=1", ["[nope]", "unknown section"]),
+    ("model.heads=5", ["model.hidden", "divisible", "model.heads"]),
+    ("model.axes_dims_rope=[8, 8, 8]", ["axes_dims_rope", "head dim"]),
+    ("lr=1", ["expected section.key=value"]),
+])
+def test_bad_values_name_key_value_and_expectation(override, words):
+    with pytest.raises(UserError) as e:
+        load_config(REPO_CONFIGS / "shapes-tiny.toml", [override])
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nlr = ")
+    with pytest.raises(UserError, match="not valid TOML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[train]\nlearning_rate = 1e-4\n")
+    with pytest.raises(UserError, match=r"unknown.toml: train.learning_rate: unknown key"):
+        load_config(unknown)
+
+
+def test_param_counts_of_large_presets_on_meta():
+    flux = num_params(build_dit(config_dit_params(load_config(REPO_CONFIGS / "flux-dev.toml")), device="meta"))
+    assert abs(flux - 11.9e9) / 11.9e9 < 0.01
+    big = num_params(build_dit(config_dit_params(load_config(REPO_CONFIGS / "dit-24b.toml")), device="meta"))
+    assert big >= 20e9
+
+
+def test_config_show_json_has_num_params(capsys):
+    assert main(["config", "show", "flux-dev", "--json", "--set", "train.lr=3e-5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["train"]["lr"] == 3e-5
+    assert abs(out["num_params"] - 11_901_408_320) < 1e6
+
+
+def test_config_show_reports_user_error_in_one_line(capsys):
+    assert main(["config", "show", "flux-dev", "--set", "train.lr=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "train.lr" in err[0]

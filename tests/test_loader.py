@@ -1,0 +1,110 @@
+import numpy as np
+import pytest
+import torch
+
+from difftrain.data.batch import frames_of
+from difftrain.data.shapes import ShapesWorld
+from difftrain.data.shapes_loader import IndexStream, ShapesLoader, make_batch
+from difftrain.models.autoencoder import PixelUnshuffleAE
+from difftrain.models.text import WordTextEncoder
+from difftrain.data.shapes import vocabulary
+
+WORLD = ShapesWorld(seed=3, size=32, frames=3)
+AE = PixelUnshuffleAE(4)
+TOK = WordTextEncoder(vocabulary(), max_tokens=16, dim=16).tokenize
+WEIGHTS = {"t2i": 0.5, "edit": 0.25, "keyframes": 0.25}
+
+
+def loader(batch_size=4, rank=0, num_ranks=1, **kw):
+    return ShapesLoader(WORLD, AE, TOK, batch_size, WEIGHTS, world_size=20, caption_dropout=0.2,
+                        keyframe_cond_prob=0.5, seed=7, rank=rank, num_ranks=num_ranks, **kw)
+
+
+def test_index_stream_is_a_permutation_per_epoch_and_resumes():
+    s = IndexStream(10, seed=1, task_id=0)
+    first = s.take(10)
+    assert sorted(first) == list(range(10))
+    second = s.take(10)
+    assert sorted(second) == list(range(10)) and second != first
+    s2 = IndexStream(10, seed=1, task_id=0)
+    s2.take(13)
+    state = s2.state_dict()
+    s3 = IndexStream(10, seed=1, task_id=0)
+    s3.load_state_dict(state)
+    assert s3.take(7) == s2.take(7)
+
+
+def _same(a, b):
+    return (a.task == b.task and a.prompts == b.prompts and torch.equal(a.x0_BLC, b.x0_BLC)
+            and torch.equal(a.loss_mask_BL, b.loss_mask_BL) and torch.equal(a.ids_BL3, b.ids_BL3))
+
+
+def test_loader_is_deterministic_and_mixes_tasks():
+    a, b = loader(), loader()
+    tasks = set()
+    for _ in range(12):
+        x, y = next(a), next(b)
+        assert _same(x, y)
+        tasks.add(x.task)
+    assert tasks == {"t2i", "edit", "keyframes"}
+
+
+def test_loader_resumes_exactly_from_its_state():
+    a = loader()
+    for _ in range(5):
+        next(a)
+    state = a.state_dict()
+    expected = [next(a) for _ in range(6)]
+    b = loader()
+    b.load_state_dict(state)
+    assert all(_same(x, next(b)) for x in expected)
+
+
+def test_ranks_read_slices_of_the_same_global_batch():
+    whole = loader(batch_size=4)
+    parts = [loader(batch_size=2, rank=r, num_ranks=2) for r in range(2)]
+    for _ in range(5):
+        g = next(whole)
+        p0, p1 = next(parts[0]), next(parts[1])
+        assert p0.task == p1.task == g.task
+        assert p0.prompts + p1.prompts == g.prompts
+        assert torch.equal(torch.cat([p0.x0_BLC, p1.x0_BLC]), g.x0_BLC)
+
+
+def test_resume_with_another_global_batch_is_refused():
+    state = loader(batch_size=4).state_dict()
+    with pytest.raises(ValueError, match="global batch"):
+        loader(batch_size=2).load_state_dict(state)
+
+
+def test_batches_follow_the_sequence_layout_of_each_task():
+    tok = 4 * 4   # 32 px / factor 4 = 8 latent px -> 4x4 tokens per frame
+    t2i = make_batch(WORLD, AE, TOK, "t2i", [0, 1])
+    assert t2i.x0_BLC.shape == (2, tok, 48 * 4) and t2i.loss_mask_BL.all()
+    assert (t2i.ids_BL3[..., 0] == 0).all()
+    edit = make_batch(WORLD, AE, TOK, "edit", [0])
+    assert edit.ids_BL3[0, :tok, 0].eq(0).all() and edit.ids_BL3[0, tok:, 0].eq(1).all()
+    assert edit.loss_mask_BL[0, :tok].all() and not edit.loss_mask_BL[0, tok:].any()
+    src, tgt, instruction, _ = WORLD.edit(0)
+    lat = frames_of(edit.x0_BLC, edit.grid)
+    assert torch.allclose(AE.decode(lat[:, 1]), torch.from_numpy(src).float().permute(2, 0, 1)[None] / 127.5 - 1)
+    assert edit.prompts == [instruction]
+    kf = make_batch(WORLD, AE, TOK, "keyframes", [2], keyframe_targets=[[False, True, False]])
+    assert kf.ids_BL3[0, :, 0].tolist() == [0] * tok + [1] * tok + [2] * tok
+    assert kf.loss_mask_BL[0].tolist() == [False] * tok + [True] * tok + [False] * tok
+
+
+def test_caption_dropout_and_keyframe_conditioning_happen_at_their_rates():
+    a = loader(batch_size=8)
+    empty = total = cond = kf = 0
+    for _ in range(60):
+        b = next(a)
+        empty += sum(p == "" for p in b.prompts)
+        total += len(b)
+        if b.task == "keyframes":
+            per = b.loss_mask_BL.view(len(b), 3, -1)[..., 0]
+            kf += len(b)
+            cond += int((~per).any(1).sum())
+            assert per.any(1).all()      # never everything given
+    assert 0.1 < empty / total < 0.3
+    assert 0.3 < cond / kf < 0.7
