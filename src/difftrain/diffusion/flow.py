@@ -71,12 +71,13 @@ def noisy_input(x0_BLC: Tensor, eps_BLC: Tensor, t_B: Tensor, mask_BL: Tensor) -
     return torch.where(mask_BL[..., None], xt, x0_BLC)
 
 
-def to_velocity(out_BLC: Tensor, xt_BLC: Tensor, t_B: Tensor, prediction: str) -> Tensor:
-    """The network output as a velocity v = eps - x0."""
+def to_velocity(out_BLC: Tensor, xt_BLC: Tensor, t_B: Tensor, prediction: str, t_min: float = T_MIN) -> Tensor:
+    """The network output as a velocity v = eps - x0. Training floors t at ``T_MIN`` (bounded loss
+    weight); sampling passes a tiny floor so the last Euler step lands on the predicted x."""
     if prediction == "v":
         return out_BLC
     if prediction == "x":
-        return (xt_BLC - out_BLC) / t_B.clamp(min=T_MIN).view(-1, 1, 1).to(out_BLC.dtype)
+        return (xt_BLC - out_BLC) / t_B.clamp(min=t_min).view(-1, 1, 1).to(out_BLC.dtype)
     raise ValueError(f"unknown prediction {prediction!r}")
 
 

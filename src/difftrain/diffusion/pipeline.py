@@ -13,7 +13,7 @@ from difftrain.data.batch import Batch, frames_of
 from difftrain.diffusion.flow import FlowSpec, shift_factor, to_velocity
 from difftrain.diffusion.sampler import euler_sample, guided
 from difftrain.models.autoencoder import Autoencoder
-from difftrain.models.text import TextEmbedding
+from difftrain.models.text import TextEmbedding, batch_tokens
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -46,7 +46,7 @@ class Pipeline:
             g = torch.full_like(t_B, self.guidance if self.guidance is not None else 1.0)
         with autocast(self.device, self.amp_dtype):
             out = self.dit(x_BLC, ids_BL3, emb.txt_BTD, t_B, emb.pooled_BP, g, txt_mask_BT=None)
-        return to_velocity(out.float(), x_BLC.float(), t_B, self.flow.prediction)
+        return to_velocity(out.float(), x_BLC.float(), t_B, self.flow.prediction, t_min=1e-6)
 
     @torch.no_grad()
     def sample(self, batch: Batch, steps: int = 20, cfg_scale: float = 4.0, shift: float | None = None,
@@ -57,12 +57,9 @@ class Pipeline:
         _, H, W = batch.grid
         if shift is None:
             shift = shift_factor(self.flow.shift, self.flow.shift_value, (H // 2) * (W // 2))
-        cond = self.embed(batch.tokens)
         if cfg_scale != 1.0:
-            uncond = self.embed(self.text_encoder.tokenize([""] * B))
-            both = TextEmbedding(torch.cat((cond.txt_BTD, uncond.txt_BTD)),
-                                 torch.cat((cond.pooled_BP, uncond.pooled_BP)),
-                                 torch.cat((cond.mask_BT, uncond.mask_BT)))
+            empty = self.text_encoder.tokenize([""] * B)
+            both = self.embed(batch_tokens({k: v.cpu() for k, v in batch.tokens.items()}, empty))
             ids2 = batch.ids_BL3.repeat(2, 1, 1)
 
             def v_cu(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -71,6 +68,8 @@ class Pipeline:
 
             vel = guided(v_cu, cfg_scale)
         else:
+            cond = self.embed(batch.tokens)
+
             def vel(x: Tensor, t: Tensor) -> Tensor:
                 return self.velocity(x, batch.ids_BL3, t, cond)
 

@@ -40,6 +40,22 @@ def words_of(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
+def pad_tokens(tokens: dict[str, Tensor], length: int) -> dict[str, Tensor]:
+    """Right-pad every (B, T) tensor with zeros (the pad id / a False mask) to ``length``."""
+    out = {}
+    for k, v in tokens.items():
+        extra = length - v.shape[1]
+        out[k] = torch.cat((v, v.new_zeros(v.shape[0], extra)), 1) if extra > 0 else v
+    return out
+
+
+def batch_tokens(*token_dicts: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Concatenate tokenized batches along the batch dim, padding to a common length."""
+    length = max(v.shape[1] for d in token_dicts for v in d.values())
+    padded = [pad_tokens(d, length) for d in token_dicts]
+    return {k: torch.cat([d[k] for d in padded]) for k in padded[0]}
+
+
 class WordTextEncoder(nn.Module):
     """Word embeddings + learned positions + a few pre-norm transformer layers; pooled = masked mean."""
 
@@ -65,13 +81,18 @@ class WordTextEncoder(nn.Module):
         nn.init.normal_(self.pos, std=0.02)
 
     def tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
-        ids = torch.zeros(len(prompts), self.max_tokens, dtype=torch.long)
-        unknown: set[str] = set()
-        for row, prompt in enumerate(prompts):
+        """Word ids padded to the batch's longest prompt (not to max_tokens): short captions then cost
+        few text tokens, which matters when text is a third of a small model's sequence."""
+        rows: list[list[str]] = []
+        for prompt in prompts:
             words = words_of(prompt)
             if len(words) > self.max_tokens:
                 warn_truncated(prompt, len(words), self.max_tokens)
                 words = words[: self.max_tokens]
+            rows.append(words)
+        ids = torch.zeros(len(prompts), max([1] + [len(r) for r in rows]), dtype=torch.long)
+        unknown: set[str] = set()
+        for row, words in enumerate(rows):
             for col, w in enumerate(words):
                 ids[row, col] = self.index.get(w, 1)
                 if w not in self.index:
