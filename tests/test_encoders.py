@@ -271,3 +271,25 @@ def test_diffusers_ae_pipeline_folder_and_errors(tiny_vae, tmp_path):
         with pytest.raises(UserError) as info:
             build_autoencoder("diffusers", path=bad)
         assert "autoencoder.path" in str(info.value) and bad in str(info.value)
+
+
+def test_training_and_sampling_with_frozen_hf_encoders_and_vae(tiny, tiny_vae, tiny_cfg, tmp_path):
+    """The real-component path end to end: T5 + CLIP text, AutoencoderKL latents, a few steps, a
+    checkpoint, then sampling from it. The frozen parts must stay untouched and out of the checkpoint."""
+    from difftrain.inference import load_pipeline, request_batch
+    from difftrain.train.trainer import Trainer
+
+    cfg = tiny_cfg("text.kind=hf", f"text.t5_path={tiny['t5']}", f"text.clip_path={tiny['clip']}",
+                   "text.max_tokens=96", "autoencoder.kind=diffusers", f"autoencoder.path={tiny_vae[1]}",
+                   "train.steps=3", "train.checkpoint_every=0")
+    tr = Trainer(cfg, tmp_path / "run")
+    assert set(tr.model.keys()) == {"dit"}
+    assert tr.dit.params.in_channels == 16 and tr.dit.params.text_dim == 32 and tr.dit.params.pooled_dim == 32
+    frozen = {k: v.clone() for k, v in tr.text_encoder.state_dict().items()}
+    summary = tr.fit()
+    assert summary["steps"] == 3
+    assert all(torch.equal(frozen[k], v) for k, v in tr.text_encoder.state_dict().items())
+    pipe, cfg2, info = load_pipeline(tmp_path / "run")
+    batch = request_batch(pipe, cfg2, ["a small red circle in the top left"])
+    imgs = pipe.to_images(pipe.sample(batch, steps=2, cfg_scale=2.0, seed=1))
+    assert imgs.shape == (1, 1, 32, 32, 3) and imgs.dtype.name == "uint8"

@@ -379,3 +379,27 @@ def test_rope_theta_is_used():
     starts = [0, AXES[0] // 2, (AXES[0] + AXES[1]) // 2]
     for a, s in enumerate(starts):
         assert math.isclose(c1[0, 0, 0, s].item(), math.cos(ids[0, 0, a].item()), abs_tol=1e-6)
+
+
+def test_absolute_position_embedding_breaks_translation_invariance():
+    """RoPE alone sees only position differences among image tokens; with abs_pos_embed the model
+    knows where each token is, so shifting every id changes the output."""
+    from difftrain.models.dit import DiTParams, MMDiT, image_ids
+    from difftrain.models.layers import position_features
+    torch.manual_seed(0)
+    feats = position_features(image_ids(3, 3)[None])
+    assert feats.shape == (1, 9, 48)
+    assert torch.cdist(feats[0], feats[0]).add(torch.eye(9) * 10).min() > 0.5   # every cell distinct
+    for abs_pos in (False, True):
+        p = DiTParams(in_channels=8, text_dim=6, pooled_dim=4, hidden=24, heads=2, double_blocks=1, single_blocks=1,
+                      axes_dims_rope=(2, 4, 6), abs_pos_embed=abs_pos)
+        m = MMDiT(p).eval()
+        m.init_weights("default")
+        x, txt, pooled, t = torch.randn(1, 9, 8), torch.randn(1, 3, 6), torch.randn(1, 4), torch.rand(1)
+        ids = image_ids(3, 3)[None].float()
+        # shift image and text positions together: relative positions are unchanged
+        txt_ids = torch.zeros(1, 3, 3)
+        a = m(x, ids, txt, t, pooled, txt_ids_BT3=txt_ids)
+        b = m(x, ids + 5, txt, t, pooled, txt_ids_BT3=txt_ids + 5)
+        assert torch.allclose(a, b, atol=1e-4) != abs_pos
+    assert "pos_in.proj.weight" in dict(m.named_parameters())

@@ -180,6 +180,37 @@ def test_ground_truth_t2i_accuracy(size: int) -> None:
     assert all(acc[a] >= 0.99 for a in ATTRIBUTES), acc
 
 
+def test_ground_truth_accuracy_holds_on_a_wider_background_range() -> None:
+    world = ShapesWorld(11, size=48, bg_range=(60, 200))
+    shades = set()
+    scores = []
+    for i in range(600):
+        img, _, spec = world.t2i(i)
+        shades.add(spec.bg)
+        scores.append(score_t2i(img, spec))
+    assert min(shades) < 80 and max(shades) > 180
+    acc = accuracy(scores)
+    assert all(acc[a] >= 0.99 for a in ATTRIBUTES), acc
+    with pytest.raises(ValueError, match="bg_range"):
+        ShapesWorld(0, bg_range=(200, 100))
+
+
+def test_across_motions_cross_the_grid_and_land_on_cell_centres() -> None:
+    world = ShapesWorld(12, size=48, frames=3, motion="across")
+    paths = set()
+    for i in range(400):
+        frames, caption, spec = world.keyframes(i)
+        dr, dc = spec.end[0] - spec.start[0], spec.end[1] - spec.start[1]
+        assert dr in (-2, 0, 2) and dc in (-2, 0, 2) and (dr, dc) != (0, 0)
+        middle = ((spec.start[0] + spec.end[0]) // 2, (spec.start[1] + spec.end[1]) // 2)
+        assert np.allclose(spec.centers(48)[1], cell_center(*middle, 48))
+        paths.add((spec.start, spec.end))
+        assert score_keyframes(frames, spec)["ok"]
+    assert len(paths) == 16
+    with pytest.raises(ValueError, match="motion"):
+        ShapesWorld(0, motion="zigzag")
+
+
 def test_ground_truth_edit_accuracy() -> None:
     world = ShapesWorld(7)
     results = []

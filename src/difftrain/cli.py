@@ -156,12 +156,13 @@ def cmd_sample(args) -> int:
 def cmd_eval(args) -> int:
     _check_positive("--n", args.n)
     _check_positive("--steps", args.steps)
+    from difftrain.data import world_from_config
     from difftrain.evaluate import evaluate
     from difftrain.images import caption_grid
     from difftrain.inference import load_pipeline
 
     pipe, cfg, _ = load_pipeline(args.checkpoint)
-    metrics, gens = evaluate(pipe, cfg.data.image_size, cfg.data.frames, args.n or cfg.eval.n, cfg.eval.seed,
+    metrics, gens = evaluate(pipe, world_from_config(cfg.data, cfg.eval.seed), args.n or cfg.eval.n,
                              args.steps or cfg.sample.steps,
                              cfg.sample.cfg_scale if args.cfg_scale is None else args.cfg_scale,
                              cfg.sample.seed, cfg.eval.keyframe_given)

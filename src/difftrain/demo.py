@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from difftrain.config import load_config
+from difftrain.data import world_from_config
 from difftrain.data.shapes import ShapesWorld
 from difftrain.data.shapes_eval import score_t2i
 from difftrain.evaluate import evaluate
@@ -48,7 +49,7 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
         log.info("removing the previous demo run in %s", run_dir)
         shutil.rmtree(run_dir)
     t0 = time.perf_counter()
-    world = ShapesWorld(cfg.run.seed, cfg.data.image_size, cfg.data.frames)
+    world = world_from_config(cfg.data, cfg.run.seed)
     gt_acc = preview_world(world, out / "world.png")
     log.info("shapes world: %dx%d images, %d frames per sequence; ground-truth evaluator accuracy %.3f; "
              "preview in %s", cfg.data.image_size, cfg.data.image_size, cfg.data.frames, gt_acc, out / "world.png")
@@ -63,8 +64,8 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
     pipe = trainer.pipeline()
     with trainer.ema.applied(trainer.model) if trainer.ema else contextlib.nullcontext():
         trainer.model.eval()
-        metrics, gens = evaluate(pipe, cfg.data.image_size, cfg.data.frames, cfg.eval.n, cfg.eval.seed,
-                                 cfg.sample.steps, cfg.sample.cfg_scale, cfg.sample.seed, cfg.eval.keyframe_given)
+        metrics, gens = evaluate(pipe, world_from_config(cfg.data, cfg.eval.seed), cfg.eval.n, cfg.sample.steps,
+                                 cfg.sample.cfg_scale, cfg.sample.seed, cfg.eval.keyframe_given)
     eval_seconds = time.perf_counter() - t_eval
     by_task: dict[str, list] = {}
     for g in gens:

@@ -46,11 +46,10 @@ def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[i
     return out
 
 
-def evaluate(pipe: Pipeline, image_size: int, frames: int, n: int, world_seed: int, steps: int, cfg_scale: float,
-             sample_seed: int = 0, keyframe_given: str = "first",
-             tasks: tuple[str, ...] = ("t2i", "edit", "keyframes")) -> tuple[dict, list[Generated]]:
-    """Accuracies over ``n`` prompts per task (a task not asked for reports None)."""
-    world = ShapesWorld(seed=world_seed, size=image_size, frames=frames)
+def evaluate(pipe: Pipeline, world: ShapesWorld, n: int, steps: int, cfg_scale: float, sample_seed: int = 0,
+             keyframe_given: str = "first", tasks: tuple[str, ...] = ("t2i", "edit", "keyframes")
+             ) -> tuple[dict, list[Generated]]:
+    """Accuracies over the first ``n`` examples per task of ``world`` (a task not asked for reports None)."""
     results: dict[str, list[Generated]] = {
         t: generate_task(pipe, world, t, list(range(n)), steps, cfg_scale, sample_seed, keyframe_given)
         for t in tasks}

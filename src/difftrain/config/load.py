@@ -103,6 +103,8 @@ def validate(cfg: Config, source: str = "config") -> None:
     if m.double_blocks + m.single_blocks == 0:
         raise UserError(f"{source}: model.double_blocks + model.single_blocks must be >= 1")
     d = cfg.data
+    if len(d.background) != 2 or not 0 <= d.background[0] <= d.background[1] <= 255:
+        raise UserError(f"{source}: data.background = {d.background}: expected [lo, hi] with 0 <= lo <= hi <= 255")
     if d.t2i_weight + d.edit_weight + d.keyframe_weight <= 0:
         raise UserError(f"{source}: data.t2i_weight + data.edit_weight + data.keyframe_weight must be > 0")
     ae = cfg.autoencoder

@@ -46,6 +46,9 @@ class ModelConfig:
     guidance_embed: bool = meta("embed a guidance scale (guidance-distilled models such as FLUX.1-dev)",
                                 default=False)
     qkv_bias: bool = meta("bias on q/k/v projections (FLUX: true)", default=True)
+    abs_pos_embed: bool = meta("add fixed sin/cos features of (index, row, col) to image tokens (not in FLUX, "
+                               "which locates tokens by RoPE alone; helps small models learn placement fast)",
+                               default=False)
     init: str = meta("parameter initialisation; 'zero-out' zeroes modulation gates and the output head "
                      "(adaLN-zero) so every block starts as identity", choices=("zero-out", "default"),
                      default="zero-out")
@@ -83,6 +86,11 @@ class DataConfig:
                       default="shapes")
     image_size: int = meta("image side in pixels", ge=8, default=48)
     frames: int = meta("frames per keyframe sequence", ge=2, le=16, default=4)
+    motion: str = meta("keyframe paths: 'any' start and end cell, or 'across' (the 16 straight paths two cells "
+                       "long: with 3 frames every frame sits on a cell centre)", choices=("any", "across"),
+                       default="any")
+    background: list[int] = meta("[lo, hi]: grey shades of the background (not in captions)",
+                                 factory=lambda: [100, 160])
     world_size: int = meta("examples per task in the world (the epoch length)", ge=1, default=50000)
     t2i_weight: float = meta("share of text-to-image batches", ge=0, default=0.5)
     edit_weight: float = meta("share of editing batches", ge=0, default=0.25)
@@ -103,9 +111,14 @@ class DiffusionConfig:
     shift: str = meta("timestep shift: 'none', 'fixed' (shift_value) or 'resolution' (FLUX mu from "
                       "the token count)", choices=("none", "fixed", "resolution"), default="none")
     shift_value: float = meta("shift for 'fixed': t' = s t / (1 + (s - 1) t)", gt=0, default=1.0)
-    prediction: str = meta("what the network outputs: 'v' (velocity eps - x0, as FLUX) or 'x' (the clean "
-                           "sample, converted to v for the loss)", choices=("v", "x"), default="v")
-    loss_weight: str = meta("per-sample loss weighting", choices=("none", "snr-clamp"), default="none")
+    prediction: str = meta("what the network outputs: 'v' (velocity eps - x0, as FLUX), 'x' (the clean sample) "
+                           "or 'edm' (x through EDM preconditioning: x0 = c_skip x_t + c_out F(c_in x_t)); "
+                           "all are converted to v for the loss and the sampler", choices=("v", "x", "edm"),
+                           default="v")
+    data_std: float = meta("sigma_data of the 'edm' preconditioning (std of the latents)", gt=0, default=0.5)
+    loss: str = meta("'v': MSE of the velocity (FLUX); 'x': MSE of the implied clean sample x0 = x_t - t v, "
+                     "i.e. the v-MSE weighted by t^2, which moves the emphasis to noisy timesteps, where the "
+                     "prompt decides the image", choices=("v", "x"), default="v")
 
 
 @dataclass

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from difftrain.models.layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
+from difftrain.models.layers import (DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, PositionEmbedder,
+                                     timestep_embedding)
 from difftrain.models.rope import rope_angles
 
 
@@ -31,6 +32,7 @@ class DiTParams:
     rope_theta: float = 10000.0
     guidance_embed: bool = False
     qkv_bias: bool = True
+    abs_pos_embed: bool = False    # not in FLUX: learned absolute positions of image tokens (PositionEmbedder)
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
@@ -58,6 +60,7 @@ class MMDiT(nn.Module):
         self.time_in = MLPEmbedder(256, p.hidden)
         self.vector_in = MLPEmbedder(p.pooled_dim, p.hidden)
         self.guidance_in = MLPEmbedder(256, p.hidden) if p.guidance_embed else None
+        self.pos_in = PositionEmbedder(p.hidden) if p.abs_pos_embed else None
         self.double_blocks = nn.ModuleList(
             DoubleStreamBlock(p.hidden, p.heads, p.mlp_ratio, p.qkv_bias) for _ in range(p.double_blocks))
         self.single_blocks = nn.ModuleList(
@@ -70,6 +73,8 @@ class MMDiT(nn.Module):
         """Predict (B, L, C) for every image token; the caller decides which tokens the loss sees."""
         B, T = txt_BTD.shape[:2]
         img, txt = self.img_in(img_BLC), self.txt_in(txt_BTD)
+        if self.pos_in is not None:
+            img = img + self.pos_in(img_ids_BL3)
         vec = self.time_in(timestep_embedding(t_B).to(img.dtype)) + self.vector_in(pooled_BP)
         if self.guidance_in is not None:
             if guidance_B is None:

@@ -24,6 +24,28 @@ def timestep_embedding(t_B: Tensor, dim: int = 256, max_period: float = 10000.0,
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
+def position_features(ids_BL3: Tensor, freqs: int = 8, slowest: float = 0.01) -> Tensor:
+    """sin/cos of each (index, row, col) id at ``freqs`` frequencies from 1 to ``slowest`` rad per token:
+    (B, L, 6 * freqs). The fastest frequencies tell neighbouring tokens apart even on a 3x3 grid."""
+    omega = slowest ** (torch.arange(freqs, dtype=torch.float32, device=ids_BL3.device) / max(1, freqs - 1))
+    ang = ids_BL3.float()[..., None] * omega                       # (B, L, 3, F)
+    return torch.cat((ang.sin(), ang.cos()), dim=-1).flatten(-2)
+
+
+class PositionEmbedder(nn.Module):
+    """Absolute positions of image tokens: a learned projection of fixed sin/cos features of the ids.
+    Not in FLUX, which locates tokens only through RoPE against the text tokens at the origin, a
+    relation a small model trained for minutes does not learn. Resolution-free (no table to outgrow)."""
+
+    def __init__(self, hidden: int, freqs: int = 8):
+        super().__init__()
+        self.freqs = freqs
+        self.proj = nn.Linear(6 * freqs, hidden)
+
+    def forward(self, ids_BL3: Tensor) -> Tensor:
+        return self.proj(position_features(ids_BL3, self.freqs))
+
+
 class MLPEmbedder(nn.Module):
     """Linear -> SiLU -> Linear: embeds timesteps, guidance and the pooled text vector."""
 

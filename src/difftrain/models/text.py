@@ -50,10 +50,13 @@ def pad_tokens(tokens: dict[str, Tensor], length: int) -> dict[str, Tensor]:
 
 
 def batch_tokens(*token_dicts: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Concatenate tokenized batches along the batch dim, padding to a common length."""
-    length = max(v.shape[1] for d in token_dicts for v in d.values())
-    padded = [pad_tokens(d, length) for d in token_dicts]
-    return {k: torch.cat([d[k] for d in padded]) for k in padded[0]}
+    """Concatenate tokenized batches along the batch dim. Each key is padded to its own longest
+    length: T5 ids may run to 512 while CLIP's never exceed its 77 positions."""
+    out = {}
+    for k in token_dicts[0]:
+        length = max(d[k].shape[1] for d in token_dicts)
+        out[k] = torch.cat([pad_tokens({k: d[k]}, length)[k] for d in token_dicts])
+    return out
 
 
 class WordTextEncoder(nn.Module):
@@ -77,8 +80,11 @@ class WordTextEncoder(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.embed.weight, std=0.02)
-        nn.init.normal_(self.pos, std=0.02)
+        # Unit-scale word vectors: with small (0.02) ones, the first layer's attention, which averages over
+        # the prompt at init, drowns each word's identity and the DiT sees nearly the same text for every
+        # caption; conditioning then takes thousands of steps to appear instead of a few hundred.
+        nn.init.normal_(self.embed.weight, std=1.0)
+        nn.init.normal_(self.pos, std=0.5)
 
     def tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
         """Word ids padded to the batch's longest prompt (not to max_tokens): short captions then cost

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from difftrain.config import Config, to_dict, to_toml
-from difftrain.data.shapes import ShapesWorld
+from difftrain.data import world_from_config
 from difftrain.data.shapes_loader import ShapesLoader
-from difftrain.diffusion.flow import FlowSpec, flow_loss, noisy_input, sample_t, to_velocity
+from difftrain.diffusion.flow import FlowSpec, flow_loss, loss_weight, noisy_input, sample_t, to_velocity
 from difftrain.diffusion.pipeline import Pipeline, autocast
 from difftrain.models import build_autoencoder, build_model, build_text_encoder, num_params
 from difftrain.parallel import compile_blocks
@@ -85,7 +85,7 @@ class Trainer:
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
 
         d = cfg.data
-        self.world = ShapesWorld(seed=cfg.run.seed, size=d.image_size, frames=d.frames)
+        self.world = world_from_config(d, cfg.run.seed)
         self.loader = ShapesLoader(
             self.world, self.autoencoder, self.text_encoder.tokenize, tc.batch_size,
             {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight}, d.world_size,
@@ -138,9 +138,10 @@ class Trainer:
             g = torch.ones(B, device=self.device) if self.dit.params.guidance_embed else None
             with autocast(self.device, self.amp):
                 emb = self.text_encoder(batch.tokens)
-                out = self.dit(xt, batch.ids_BL3, emb.txt_BTD, t, emb.pooled_BP, g)
-            v = to_velocity(out.float(), xt, t, self.flow.prediction)
-            loss = flow_loss(v, batch.x0_BLC, eps, batch.loss_mask_BL) / len(batches)
+                out = self.dit(self.flow.model_input(xt, t, batch.loss_mask_BL), batch.ids_BL3, emb.txt_BTD, t,
+                               emb.pooled_BP, g)
+            v = to_velocity(out.float(), xt, t, self.flow.prediction, data_std=self.flow.data_std)
+            loss = flow_loss(v, batch.x0_BLC, eps, batch.loss_mask_BL, loss_weight(t, self.flow.loss)) / len(batches)
             loss.backward()
             total += float(loss.detach())
         if tc.grad_clip > 0:
@@ -186,10 +187,11 @@ class Trainer:
             n_tokens = sum(int(b.x0_BLC.shape[0] * b.x0_BLC.shape[1]) for b in batches)
             tokens_seen += n_tokens
             if not self.budget_fixed:
-                # Skip the first steps (allocator warm-up, compilation) when measuring speed.
-                if calib_from is None and self.step >= 3:
+                # Measure speed over enough steps to average the task mixture (keyframe batches cost
+                # several times a t2i batch), skipping the first steps (allocator warm-up, compilation).
+                if calib_from is None and self.step >= 5:
                     calib_from, calib_at = self.step, self.train_seconds
-                elif calib_from is not None and self.step - calib_from >= 10:
+                elif calib_from is not None and self.step - calib_from >= 60:
                     self._fix_budget(self.step - calib_from, self.train_seconds - calib_at)
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
                 self.metrics.log(self.step, {
@@ -228,7 +230,7 @@ class Trainer:
         from difftrain.evaluate import generate_task
         from difftrain.images import caption_grid
 
-        s, world = self.cfg.sample, ShapesWorld(self.cfg.eval.seed, self.cfg.data.image_size, self.cfg.data.frames)
+        s, world = self.cfg.sample, world_from_config(self.cfg.data, self.cfg.eval.seed)
         pipe = self.pipeline()
         rows = []
         with self.ema.applied(self.model) if self.ema else contextlib.nullcontext():

@@ -1,0 +1,84 @@
+"""Bad input at the command line: one clear line, a non-zero exit, no traceback (``--debug`` shows it)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from difftrain.cli import main
+
+
+def run_cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONWARNINGS="default")
+    return subprocess.run([sys.executable, "-m", "difftrain", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run directory with a checkpoint from a few steps of a tiny config."""
+    from difftrain.config import load_config, to_toml
+    from conftest import TINY
+    root = tmp_path_factory.mktemp("cli")
+    cfg = root / "tiny.toml"
+    cfg.write_text(to_toml(load_config(None, TINY + ["train.steps=3", "train.checkpoint_every=0"])))
+    assert main(["train", str(cfg), "--run-dir", str(root / "run"), "--no-progress"]) == 0
+    return root
+
+
+def test_help_explains_every_verb_and_option():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for verb in ("demo", "train", "sample", "eval", "config"):
+        assert verb in r.stdout
+    r = run_cli("sample", "--help")
+    for opt in ("--prompt", "--edit", "--frames", "--seed", "--steps", "--cfg-scale", "--out"):
+        assert opt in r.stdout
+
+
+def _one_line_error(r, *words):
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in r.stderr, r.stderr
+    assert lines and lines[-1].startswith("error:"), r.stderr
+    for w in words:
+        assert w in lines[-1], (w, lines[-1])
+
+
+def test_missing_and_invalid_config(tmp_path):
+    _one_line_error(run_cli("train", str(tmp_path / "nope.toml")), "nope.toml", "not found")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nlr = 'fast'\n")
+    _one_line_error(run_cli("train", str(bad)), "train.lr", "'fast'", "number")
+    _one_line_error(run_cli("config", "show", "shapes-tiny", "--set", "data.image_size=50"), "data.image_size", "multiple")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = run_cli("--debug", "train", str(tmp_path / "nope.toml"))
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_checkpoint_that_is_not_ours(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"\x00" * 16)
+    _one_line_error(run_cli("sample", str(tmp_path / "ckpt"), "--prompt", "x"), "not a difftrain checkpoint")
+    _one_line_error(run_cli("eval", str(tmp_path / "missing")), "no such checkpoint")
+
+
+def test_unreadable_image_frames_zero_and_long_prompt(trained, tmp_path):
+    ckpt = str(trained / "run" / "checkpoints" / "latest")
+    junk = tmp_path / "junk.png"
+    junk.write_text("this is not a png")
+    _one_line_error(run_cli("sample", ckpt, "--prompt", "make it blue", "--edit", str(junk)), "junk.png",
+                    "cannot read")
+    _one_line_error(run_cli("sample", ckpt, "--prompt", "make it blue", "--edit", str(tmp_path / "none.png")),
+                    "none.png", "not found")
+    _one_line_error(run_cli("sample", ckpt, "--prompt", "a red circle", "--frames", "0"), "--frames 0")
+    long = " ".join(["a small red circle in the top left"] * 5)
+    r = run_cli("sample", ckpt, "--prompt", long, "--num-images", "1", "--steps", "2", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    warning = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warning) == 1 and "truncated" in warning[0] and "16" in warning[0]
+    assert len(json.loads(r.stdout)["images"]) == 1
