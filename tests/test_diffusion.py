@@ -379,27 +379,3 @@ def test_x_loss_is_the_v_loss_weighted_by_t_squared():
     assert loss_weight(t, "v") is None
     with pytest.raises(ValueError):
         loss_weight(t, "eps")
-
-
-def test_edm_preconditioning():
-    from difftrain.diffusion.flow import edm_coefficients
-    torch.manual_seed(0)
-    s = 0.3
-    t = torch.tensor([0.01, 0.3, 0.7, 0.999])
-    c_skip, c_out = edm_coefficients(t, s)
-    # c_skip x_t is the least-squares linear estimate of x0; c_out the std of what remains
-    var = (1 - t) ** 2 * s * s + t * t
-    assert torch.allclose(c_skip, (1 - t) * s * s / var) and torch.allclose(c_out, t * s / var.sqrt())
-    assert c_skip[0] > 0.95 and c_skip[-1] < 0.01 and c_out[0] < 0.05
-    x0, eps = s * torch.randn(4, 6, 3), torch.randn(4, 6, 3)
-    mask = torch.ones(4, 6, dtype=torch.bool)
-    xt = noisy_input(x0, eps, t, mask)
-    ideal = (x0 - c_skip.view(-1, 1, 1) * xt) / c_out.view(-1, 1, 1)    # the output that recovers x0 exactly
-    torch.testing.assert_close(to_velocity(ideal, xt, t, "edm", t_min=1e-6, data_std=s), eps - x0, atol=1e-4,
-                               rtol=1e-4)
-    spec = FlowSpec(prediction="edm", data_std=s)
-    mask[:, 3:] = False                                                  # the last tokens are given clean
-    inp = spec.model_input(xt, t, mask)
-    torch.testing.assert_close(inp[:, 3:], xt[:, 3:] / s)
-    torch.testing.assert_close(inp[:, :3], xt[:, :3] / var.sqrt().view(-1, 1, 1))
-    assert FlowSpec(prediction="x").model_input(xt, t, mask) is xt

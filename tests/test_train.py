@@ -91,3 +91,18 @@ def test_end_to_end_train_sample_eval_cli(tiny_cfg, tmp_path, capsys):
     metrics = json.loads(capsys.readouterr().out)
     assert {"t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc", "keyframe_acc", "n"} <= set(metrics)
     assert metrics["n"] == 3 and all(0 <= metrics[k] <= 1 for k in metrics if k.endswith("_acc"))
+
+
+def test_time_budget_sets_the_step_count_and_the_schedule(tiny_cfg, tmp_path):
+    # A 4-second budget on a tiny model: the step count is measured, not the 100000 asked for, the
+    # LR schedule ends with it, and the run does not overshoot the budget by much.
+    cfg = tiny_cfg("train.steps=100000", "train.minutes=0.0667", "train.log_every=1000",
+                   "train.checkpoint_every=0")
+    tr = Trainer(cfg, tmp_path / "run")
+    summary = tr.fit()
+    assert 65 < summary["steps"] < 100000
+    assert tr.step == tr.total_steps and tr.budget_fixed
+    assert tr.train_seconds < 2 * 4.0, tr.train_seconds
+    last = read_metrics(tmp_path / "run")[-1]
+    assert last["step"] == summary["steps"] and last["lr"] == pytest.approx(cfg.train.lr * cfg.train.min_lr_ratio,
+                                                                            rel=1e-2)

@@ -111,11 +111,9 @@ class DiffusionConfig:
     shift: str = meta("timestep shift: 'none', 'fixed' (shift_value) or 'resolution' (FLUX mu from "
                       "the token count)", choices=("none", "fixed", "resolution"), default="none")
     shift_value: float = meta("shift for 'fixed': t' = s t / (1 + (s - 1) t)", gt=0, default=1.0)
-    prediction: str = meta("what the network outputs: 'v' (velocity eps - x0, as FLUX), 'x' (the clean sample) "
-                           "or 'edm' (x through EDM preconditioning: x0 = c_skip x_t + c_out F(c_in x_t)); "
-                           "all are converted to v for the loss and the sampler", choices=("v", "x", "edm"),
+    prediction: str = meta("what the network outputs: 'v' (velocity eps - x0, as FLUX) or 'x' (the clean "
+                           "sample); both are converted to v for the loss and the sampler", choices=("v", "x"),
                            default="v")
-    data_std: float = meta("sigma_data of the 'edm' preconditioning (std of the latents)", gt=0, default=0.5)
     loss: str = meta("'v': MSE of the velocity (FLUX); 'x': MSE of the implied clean sample x0 = x_t - t v, "
                      "i.e. the v-MSE weighted by t^2, which moves the emphasis to noisy timesteps, where the "
                      "prompt decides the image", choices=("v", "x"), default="v")

@@ -25,35 +25,12 @@ class FlowSpec:
     logit_std: float = 1.0
     shift: str = "none"               # "none" | "fixed" | "resolution"
     shift_value: float = 1.0
-    prediction: str = "v"             # "v" | "x" | "edm"
+    prediction: str = "v"             # "v" | "x"
     loss: str = "v"                   # "v" | "x": the space the MSE is measured in
-    data_std: float = 0.5             # sigma_data of the "edm" preconditioning
 
     @classmethod
     def from_config(cls, d) -> "FlowSpec":
-        return cls(d.timesteps, d.logit_mean, d.logit_std, d.shift, d.shift_value, d.prediction, d.loss, d.data_std)
-
-    def model_input(self, x_BLC: Tensor, t_B: Tensor, mask_BL: Tensor) -> Tensor:
-        """The network's input. For 'edm', EDM's c_in = 1 / std(x_t) gives unit-variance inputs: noisy
-        target tokens are scaled by c_in(t), clean conditioning tokens by c_in(0), whatever t is."""
-        if self.prediction != "edm":
-            return x_BLC
-        c_t = _var_xt(t_B.float(), self.data_std).rsqrt().view(-1, 1, 1).to(x_BLC.dtype)
-        return torch.where(mask_BL[..., None], x_BLC * c_t, x_BLC / self.data_std)
-
-
-def _var_xt(t: Tensor, s: float) -> Tensor:
-    return (1 - t) ** 2 * s * s + t * t
-
-
-def edm_coefficients(t_B: Tensor, data_std: float) -> tuple[Tensor, Tensor]:
-    """EDM preconditioning (Karras et al. 2022) for x_t = (1 - t) x0 + t eps: x0_hat = c_skip x_t + c_out F.
-    c_skip x_t is the best linear guess of x0, so near t = 0 the sample passes straight through and the
-    network only corrects it: a narrow network no longer has to squeeze every pixel of a clean patch
-    through its width (pure x-prediction blurs fine detail), while near t = 1 it still predicts x0."""
-    t = t_B.float()
-    var = _var_xt(t, data_std)
-    return (1 - t) * data_std ** 2 / var, t * data_std / var.sqrt()
+        return cls(d.timesteps, d.logit_mean, d.logit_std, d.shift, d.shift_value, d.prediction, d.loss)
 
 
 def loss_weight(t_B: Tensor, loss: str) -> Tensor | None:
@@ -104,18 +81,13 @@ def noisy_input(x0_BLC: Tensor, eps_BLC: Tensor, t_B: Tensor, mask_BL: Tensor) -
     return torch.where(mask_BL[..., None], xt, x0_BLC)
 
 
-def to_velocity(out_BLC: Tensor, xt_BLC: Tensor, t_B: Tensor, prediction: str, t_min: float = T_MIN,
-                data_std: float = 0.5) -> Tensor:
+def to_velocity(out_BLC: Tensor, xt_BLC: Tensor, t_B: Tensor, prediction: str, t_min: float = T_MIN) -> Tensor:
     """The network output as a velocity v = eps - x0. Training floors t at ``T_MIN`` (bounded loss
     weight); sampling passes a tiny floor so the last Euler step lands on the predicted x."""
     if prediction == "v":
         return out_BLC
     if prediction == "x":
         return (xt_BLC - out_BLC) / t_B.clamp(min=t_min).view(-1, 1, 1).to(out_BLC.dtype)
-    if prediction == "edm":
-        c_skip, c_out = (c.view(-1, 1, 1).to(out_BLC.dtype) for c in edm_coefficients(t_B, data_std))
-        x_hat = c_skip * xt_BLC + c_out * out_BLC
-        return (xt_BLC - x_hat) / t_B.clamp(min=t_min).view(-1, 1, 1).to(out_BLC.dtype)
     raise ValueError(f"unknown prediction {prediction!r}")
 
 

@@ -40,14 +40,13 @@ class Pipeline:
         with autocast(self.device, self.amp_dtype):
             return self.text_encoder(tokens)
 
-    def velocity(self, x_BLC: Tensor, ids_BL3: Tensor, t_B: Tensor, emb: TextEmbedding, mask_BL: Tensor) -> Tensor:
+    def velocity(self, x_BLC: Tensor, ids_BL3: Tensor, t_B: Tensor, emb: TextEmbedding) -> Tensor:
         g = None
         if self.dit.params.guidance_embed:
             g = torch.full_like(t_B, self.guidance if self.guidance is not None else 1.0)
         with autocast(self.device, self.amp_dtype):
-            out = self.dit(self.flow.model_input(x_BLC, t_B, mask_BL), ids_BL3, emb.txt_BTD, t_B, emb.pooled_BP, g, txt_mask_BT=None)
-        return to_velocity(out.float(), x_BLC.float(), t_B, self.flow.prediction, t_min=1e-6,
-                           data_std=self.flow.data_std)
+            out = self.dit(x_BLC, ids_BL3, emb.txt_BTD, t_B, emb.pooled_BP, g, txt_mask_BT=None)
+        return to_velocity(out.float(), x_BLC.float(), t_B, self.flow.prediction, t_min=1e-6)
 
     @torch.no_grad()
     def sample(self, batch: Batch, steps: int = 20, cfg_scale: float = 4.0, shift: float | None = None,
@@ -61,10 +60,10 @@ class Pipeline:
         if cfg_scale != 1.0:
             empty = self.text_encoder.tokenize([""] * B)
             both = self.embed(batch_tokens({k: v.cpu() for k, v in batch.tokens.items()}, empty))
-            ids2, mask2 = batch.ids_BL3.repeat(2, 1, 1), batch.loss_mask_BL.repeat(2, 1)
+            ids2 = batch.ids_BL3.repeat(2, 1, 1)
 
             def v_cu(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-                v = self.velocity(x.repeat(2, 1, 1), ids2, t.repeat(2), both, mask2)
+                v = self.velocity(x.repeat(2, 1, 1), ids2, t.repeat(2), both)
                 return v[:B], v[B:]
 
             vel = guided(v_cu, cfg_scale)
@@ -72,7 +71,7 @@ class Pipeline:
             cond = self.embed(batch.tokens)
 
             def vel(x: Tensor, t: Tensor) -> Tensor:
-                return self.velocity(x, batch.ids_BL3, t, cond, batch.loss_mask_BL)
+                return self.velocity(x, batch.ids_BL3, t, cond)
 
         gen = torch.Generator(device=self.device).manual_seed(seed)
         x = euler_sample(vel, batch.x0_BLC, batch.loss_mask_BL, steps, shift, gen)

@@ -138,9 +138,8 @@ class Trainer:
             g = torch.ones(B, device=self.device) if self.dit.params.guidance_embed else None
             with autocast(self.device, self.amp):
                 emb = self.text_encoder(batch.tokens)
-                out = self.dit(self.flow.model_input(xt, t, batch.loss_mask_BL), batch.ids_BL3, emb.txt_BTD, t,
-                               emb.pooled_BP, g)
-            v = to_velocity(out.float(), xt, t, self.flow.prediction, data_std=self.flow.data_std)
+                out = self.dit(xt, batch.ids_BL3, emb.txt_BTD, t, emb.pooled_BP, g)
+            v = to_velocity(out.float(), xt, t, self.flow.prediction)
             loss = flow_loss(v, batch.x0_BLC, eps, batch.loss_mask_BL, loss_weight(t, self.flow.loss)) / len(batches)
             loss.backward()
             total += float(loss.detach())
@@ -163,11 +162,14 @@ class Trainer:
         return Pipeline(self.model, self.text_encoder, self.autoencoder, self.flow, self.device, self.amp)
 
     def _fix_budget(self, steps_done: int, seconds: float) -> None:
-        """With ``train.minutes``, fix the step count (and with it the LR schedule) from the measured speed."""
+        """With ``train.minutes``, set the step count (and with it the LR schedule) from the measured speed.
+        Called again as the run goes (the first steps are often slower than the rest), until half of the
+        steps are done; later the schedule stays put. Each correction moves the cosine LR by a few %."""
         budget = self.cfg.train.minutes * 60
         per_step = seconds / max(1, steps_done)
-        self.total_steps = min(self.cfg.train.steps, self.step + int((budget - self.train_seconds) / per_step))
-        self.budget_fixed = True
+        self.total_steps = min(self.cfg.train.steps,
+                               self.step + max(0, int((budget - self.train_seconds) / per_step)))
+        self.budget_fixed = self.step >= self.total_steps // 2
         log.info("time budget %.1f min: %.3f s/step -> %d steps", budget / 60, per_step, self.total_steps)
 
     def fit(self, on_step=None) -> dict:
@@ -191,7 +193,8 @@ class Trainer:
                 # several times a t2i batch), skipping the first steps (allocator warm-up, compilation).
                 if calib_from is None and self.step >= 5:
                     calib_from, calib_at = self.step, self.train_seconds
-                elif calib_from is not None and self.step - calib_from >= 60:
+                elif calib_from is not None and (self.step - calib_from == 60 or (self.step - calib_from) % 250 == 0
+                                                 or (self.step - calib_from > 60 and self.step == self.total_steps // 2)):
                     self._fix_budget(self.step - calib_from, self.train_seconds - calib_at)
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
                 self.metrics.log(self.step, {
