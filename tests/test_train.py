@@ -91,6 +91,13 @@ def test_end_to_end_train_sample_eval_cli(tiny_cfg, tmp_path, capsys):
     metrics = json.loads(capsys.readouterr().out)
     assert {"t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc", "keyframe_acc", "n"} <= set(metrics)
     assert metrics["n"] == 3 and all(0 <= metrics[k] <= 1 for k in metrics if k.endswith("_acc"))
+    # another prompt set: deterministic per seed, and the grid shows it
+    runs = []
+    for grid in ("g1.png", "g2.png"):
+        assert main(["eval", str(ckpt), "--json", "--n", "3", "--seed", "5", "--grid", str(tmp_path / grid)]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0] == runs[1]
+    assert (tmp_path / "g1.png").read_bytes() == (tmp_path / "g2.png").read_bytes()
 
 
 def test_time_budget_sets_the_step_count_and_the_schedule(tiny_cfg, tmp_path):

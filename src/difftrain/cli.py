@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=None, help="prompts per task (default: eval.n)")
     p.add_argument("--steps", type=int, default=None, help="Euler steps (default: sample.steps)")
     p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="draw another prompt set and other noise (default: eval.seed and sample.seed)")
     p.add_argument("--grid", default=None, help="also write a PNG grid of the generated samples here")
 
     p = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
@@ -162,10 +164,11 @@ def cmd_eval(args) -> int:
     from difftrain.inference import load_pipeline
 
     pipe, cfg, _ = load_pipeline(args.checkpoint)
-    metrics, gens = evaluate(pipe, world_from_config(cfg.data, cfg.eval.seed), args.n or cfg.eval.n,
+    world_seed, noise_seed = (cfg.eval.seed, cfg.sample.seed) if args.seed is None else (args.seed, args.seed)
+    metrics, gens = evaluate(pipe, world_from_config(cfg.data, world_seed), args.n or cfg.eval.n,
                              args.steps or cfg.sample.steps,
                              cfg.sample.cfg_scale if args.cfg_scale is None else args.cfg_scale,
-                             cfg.sample.seed, cfg.eval.keyframe_given)
+                             noise_seed, cfg.eval.keyframe_given)
     if args.grid:
         caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
     if args.json:
