@@ -202,7 +202,7 @@ def test_diffusers_config_round_trip(p):
 def test_diffusers_config_rejects_unrepresentable_params():
     base = dict(in_channels=8, text_dim=8, pooled_dim=8, hidden=32, heads=2, double_blocks=1, single_blocks=1,
                 axes_dims_rope=(4, 6, 6))
-    for bad in (dict(mlp_ratio=2.0), dict(qkv_bias=False), dict(rope_theta=256.0)):
+    for bad in (dict(mlp_ratio=2.0), dict(qkv_bias=False), dict(rope_theta=256.0), dict(abs_pos_embed=True)):
         with pytest.raises(ValueError):
             diffusers_config(DiTParams(**base, **bad))
     with pytest.raises(ValueError):
