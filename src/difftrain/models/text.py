@@ -40,13 +40,14 @@ def words_of(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
+def _pad_right(v: Tensor, length: int) -> Tensor:
+    extra = length - v.shape[1]
+    return torch.cat((v, v.new_zeros(v.shape[0], extra)), 1) if extra > 0 else v
+
+
 def pad_tokens(tokens: dict[str, Tensor], length: int) -> dict[str, Tensor]:
     """Right-pad every (B, T) tensor with zeros (the pad id / a False mask) to ``length``."""
-    out = {}
-    for k, v in tokens.items():
-        extra = length - v.shape[1]
-        out[k] = torch.cat((v, v.new_zeros(v.shape[0], extra)), 1) if extra > 0 else v
-    return out
+    return {k: _pad_right(v, length) for k, v in tokens.items()}
 
 
 def batch_tokens(*token_dicts: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -55,7 +56,7 @@ def batch_tokens(*token_dicts: dict[str, Tensor]) -> dict[str, Tensor]:
     out = {}
     for k in token_dicts[0]:
         length = max(d[k].shape[1] for d in token_dicts)
-        out[k] = torch.cat([pad_tokens({k: d[k]}, length)[k] for d in token_dicts])
+        out[k] = torch.cat([_pad_right(d[k], length) for d in token_dicts])
     return out
 
 

@@ -163,8 +163,8 @@ class Trainer:
 
     def _fix_budget(self, steps_done: int, seconds: float) -> None:
         """With ``train.minutes``, set the step count (and with it the LR schedule) from the measured speed.
-        Called again as the run goes (the first steps are often slower than the rest), until half of the
-        steps are done; later the schedule stays put. Each correction moves the cosine LR by a few %."""
+        Called every 60 steps (the first steps are often slower than the rest) until half of the steps are
+        done; later the schedule stays put. Each correction moves the cosine LR by a few %."""
         budget = self.cfg.train.minutes * 60
         per_step = seconds / max(1, steps_done)
         self.total_steps = min(self.cfg.train.steps,
@@ -193,8 +193,7 @@ class Trainer:
                 # several times a t2i batch), skipping the first steps (allocator warm-up, compilation).
                 if calib_from is None and self.step >= 5:
                     calib_from, calib_at = self.step, self.train_seconds
-                elif calib_from is not None and (self.step - calib_from == 60 or (self.step - calib_from) % 250 == 0
-                                                 or (self.step - calib_from > 60 and self.step == self.total_steps // 2)):
+                elif calib_from is not None and (self.step - calib_from) % 60 == 0:
                     self._fix_budget(self.step - calib_from, self.train_seconds - calib_at)
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
                 self.metrics.log(self.step, {
