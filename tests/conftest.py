@@ -9,7 +9,7 @@ from difftrain.config import load_config
 TINY = [
     "model.hidden=32", "model.heads=2", "model.double_blocks=1", "model.single_blocks=1",
     "model.axes_dims_rope=[4, 6, 6]", "text.dim=16", "text.max_tokens=16", "data.image_size=32",
-    "data.frames=3", "data.world_size=64", "train.batch_size=4", "train.minutes=0", "train.warmup_steps=2",
+    "data.frames=3", "data.world_size=64", "train.global_batch=4", "train.minutes=0", "train.warmup_steps=2",
     "train.log_every=1", "train.lr=1e-3", "sample.steps=3", "eval.n=4",
 ]
 

@@ -3,7 +3,8 @@ import tomllib
 
 import pytest
 
-from difftrain.cli import REPO_CONFIGS, main
+from difftrain.cli import main
+from difftrain.config import PRESETS as REPO_CONFIGS
 from difftrain.config import Config, from_dict, load_config, to_toml
 from difftrain.config.load import parse_override
 from difftrain.errors import UserError

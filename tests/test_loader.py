@@ -15,9 +15,15 @@ TOK = WordTextEncoder(vocabulary(), max_tokens=16, dim=16).tokenize
 WEIGHTS = {"t2i": 0.5, "edit": 0.25, "keyframes": 0.25}
 
 
-def loader(batch_size=4, rank=0, num_ranks=1, **kw):
-    return ShapesLoader(WORLD, AE, TOK, batch_size, WEIGHTS, world_size=20, caption_dropout=0.2,
-                        keyframe_cond_prob=0.5, seed=7, rank=rank, num_ranks=num_ranks, **kw)
+def loader(global_batch=4, rank=0, num_ranks=1, micro_batch=0, **kw):
+    return ShapesLoader(WORLD, AE, TOK, global_batch, WEIGHTS, world_size=20, caption_dropout=0.2,
+                        keyframe_cond_prob=0.5, seed=7, micro_batch=micro_batch, rank=rank, num_ranks=num_ranks, **kw)
+
+
+def one(ld):
+    """The single micro-batch of a step without accumulation."""
+    (batch,) = next(ld)
+    return batch
 
 
 def test_index_stream_is_a_permutation_per_epoch_and_resumes():
@@ -43,7 +49,7 @@ def test_loader_is_deterministic_and_mixes_tasks():
     a, b = loader(), loader()
     tasks = set()
     for _ in range(12):
-        x, y = next(a), next(b)
+        x, y = one(a), one(b)
         assert _same(x, y)
         tasks.add(x.task)
     assert tasks == {"t2i", "edit", "keyframes"}
@@ -54,27 +60,37 @@ def test_loader_resumes_exactly_from_its_state():
     for _ in range(5):
         next(a)
     state = a.state_dict()
-    expected = [next(a) for _ in range(6)]
+    expected = [one(a) for _ in range(6)]
     b = loader()
     b.load_state_dict(state)
-    assert all(_same(x, next(b)) for x in expected)
+    assert all(_same(x, one(b)) for x in expected)
 
 
-def test_ranks_read_slices_of_the_same_global_batch():
-    whole = loader(batch_size=4)
-    parts = [loader(batch_size=2, rank=r, num_ranks=2) for r in range(2)]
-    for _ in range(5):
-        g = next(whole)
-        p0, p1 = next(parts[0]), next(parts[1])
+def test_ranks_and_micro_batches_read_slices_of_the_same_global_batch():
+    whole = loader(global_batch=4)
+    parts = [loader(global_batch=4, rank=r, num_ranks=2) for r in range(2)]
+    accum = loader(global_batch=4, micro_batch=1)          # 1 rank, 4 micro-batches of 1
+    for step in range(5):
+        g = one(whole)
+        p0, p1 = one(parts[0]), one(parts[1])
+        micro = next(accum)
+        assert len(micro) == 4
         assert p0.task == p1.task == g.task
-        assert p0.prompts + p1.prompts == g.prompts
+        assert p0.prompts + p1.prompts == g.prompts == [p for b in micro for p in b.prompts]
         assert torch.equal(torch.cat([p0.x0_BLC, p1.x0_BLC]), g.x0_BLC)
+        assert torch.equal(torch.cat([b.x0_BLC for b in micro]), g.x0_BLC)
+        assert g.sample_ids == list(range(4 * step, 4 * step + 4)) == p0.sample_ids + p1.sample_ids
 
 
 def test_resume_with_another_global_batch_is_refused():
-    state = loader(batch_size=4).state_dict()
+    state = loader(global_batch=4).state_dict()
     with pytest.raises(ValueError, match="global batch"):
-        loader(batch_size=2).load_state_dict(state)
+        loader(global_batch=2).load_state_dict(state)
+
+
+def test_a_global_batch_the_ranks_do_not_divide_is_refused():
+    with pytest.raises(ValueError, match="not divisible"):
+        loader(global_batch=5, num_ranks=2)
 
 
 def test_batches_follow_the_sequence_layout_of_each_task():
@@ -95,10 +111,10 @@ def test_batches_follow_the_sequence_layout_of_each_task():
 
 
 def test_caption_dropout_and_keyframe_conditioning_happen_at_their_rates():
-    a = loader(batch_size=8)
+    a = loader(global_batch=8)
     empty = total = cond = kf = 0
     for _ in range(60):
-        b = next(a)
+        b = one(a)
         empty += sum(p == "" for p in b.prompts)
         total += len(b)
         if b.task == "keyframes":

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftrain.config import load_config
+from difftrain.config import load_config, preset_path
 from difftrain.data.batch import assemble, frames_of
 from difftrain.models import build_dit, config_dit_params
 from difftrain.models.dit import DiTParams, MMDiT, image_ids, num_params, patchify, unpatchify
 from difftrain.models.layers import timestep_embedding
-from difftrain.models.rope import apply_rope, attention, rope_angles
+from difftrain.models.attention import Attention
+from difftrain.models.rope import apply_rope, rope_angles
 
 ROOT = Path(__file__).resolve().parents[1]
 AXES = (4, 6, 6)
@@ -31,8 +32,7 @@ def _one_thread():
 
 
 def _model(init: str = "default", seed: int = 0, p: DiTParams = P) -> MMDiT:
-    torch.manual_seed(seed)
-    return build_dit(p, init).eval()
+    return build_dit(p, init, seed=seed).eval()
 
 
 def _random_ids(B: int, L: int, g: torch.Generator, high: int = 40) -> torch.Tensor:
@@ -108,12 +108,12 @@ def test_attention_key_mask():
     q, k, v = (torch.randn(1, 2, 4, sum(AXES), generator=g) for _ in range(3))
     rope = rope_angles(_random_ids(1, 4, g), AXES, 10000.0)
     mask = torch.tensor([True, True, False, True])[None, None, None]
-    out = attention(q, k, v, rope, mask)
+    out = Attention()(q, k, v, rope, mask)
     assert out.shape == (1, 4, 2 * sum(AXES))
     v2 = v.clone()
     v2[:, :, 2] += 100.0          # the masked key's value cannot reach any query
-    torch.testing.assert_close(attention(q, k, v2, rope, mask), out)
-    assert not torch.allclose(attention(q, k, v2, rope), attention(q, k, v, rope))
+    torch.testing.assert_close(Attention()(q, k, v2, rope, mask), out)
+    assert not torch.allclose(Attention()(q, k, v2, rope), Attention()(q, k, v, rope))
 
 
 # ---------------------------------------------------------------------------- patches and position ids
@@ -294,7 +294,7 @@ def test_flux_dev_parameter_count_on_meta():
 
 
 def test_dit_24b_config_size():
-    p = config_dit_params(load_config(ROOT / "configs" / "dit-24b.toml"))
+    p = config_dit_params(load_config(preset_path("dit-24b")))
     n = num_params(build_dit(p, device="meta"))
     assert n >= 20e9
     # independent count of the weight matrices, which dominate: per double-block stream qkv 3h^2 + proj h^2 +

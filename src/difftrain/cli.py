@@ -16,19 +16,11 @@ from pathlib import Path
 
 from difftrain.errors import UserError
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
 def resolve_config(name: str) -> Path:
     """A config path, or the name of a shipped preset (``shapes-tiny``, ``flux-dev``, ``dit-24b``)."""
-    p = Path(name)
-    if p.is_file():
-        return p
-    for candidate in (REPO_CONFIGS / name, REPO_CONFIGS / f"{name}.toml"):
-        if candidate.is_file():
-            return candidate
-    raise UserError(f"{name}: config file not found (give a path to a .toml file or a preset name "
-                    f"from {REPO_CONFIGS})")
+    from difftrain.config import preset_path
+
+    return preset_path(name)
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -118,12 +110,24 @@ def cmd_config(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """One process of a (possibly distributed) run: under torchrun every rank runs this. The process group
+    lives exactly as long as this function, errors included."""
     from difftrain.config import load_config
+    from difftrain.parallel.dist import init_distributed, shutdown
     from difftrain.progress import run_training
+    from difftrain.train.trainer import Trainer
 
     cfg = load_config(resolve_config(args.config), args.overrides)
-    summary = run_training(cfg, args.run_dir, progress=not args.no_progress)
-    print(json.dumps(summary))
+    try:
+        env = init_distributed(cfg)
+        if not env.is_main:                         # one voice in the logs: rank 0's
+            logging.getLogger("difftrain").setLevel(logging.WARNING)
+        trainer = Trainer(cfg, args.run_dir, env=env)
+        summary = run_training(cfg, args.run_dir, progress=not args.no_progress and env.is_main, trainer=trainer)
+        if env.is_main:
+            print(json.dumps(summary))
+    finally:
+        shutdown()
     return 0
 
 

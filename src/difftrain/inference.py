@@ -34,10 +34,10 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
         weights = Checkpointer.load_tensors(info["path"], "ema", params)
     else:
         weights = Checkpointer.load_tensors(info["path"], "model", params)
-    model.load_state_dict(weights, strict=False)
+    model.load_state_dict(weights, strict=True)
     model.eval().requires_grad_(False)
-    pipe = Pipeline(model, text, ae, FlowSpec.from_config(cfg.diffusion), device,
-                    amp_dtype(cfg.train.precision, device))
+    pipe = Pipeline(model, text, ae.to(device), FlowSpec.from_config(cfg.diffusion), device,
+                    amp_dtype(cfg.train.precision, device), sample_shift=(cfg.sample.shift, cfg.sample.shift_value))
     return pipe, cfg, info
 
 

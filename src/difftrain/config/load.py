@@ -8,6 +8,7 @@ the value and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -68,6 +69,13 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, vars(__import__(cls.__module__, fromlist=["_"])))
 
 
+_RENAMED = {
+    "train.batch_size": " (replaced by train.global_batch, the samples of one optimizer step over all ranks, "
+                        "and train.micro_batch)",
+    "train.grad_accum": " (gradient accumulation is now derived: global_batch / (data-parallel size x micro_batch))",
+}
+
+
 def from_dict(data: dict[str, Any], source: str = "config") -> Config:
     """Build a validated ``Config`` from a nested dict (the parsed TOML)."""
     cfg = Config()
@@ -83,7 +91,8 @@ def from_dict(data: dict[str, Any], source: str = "config") -> Config:
         for key, value in sec_value.items():
             where = f"{source}: {sec_name}.{key}"
             if key not in fields:
-                raise UserError(f"{where}: unknown key; [{sec_name}] has {', '.join(fields)}")
+                hint = _RENAMED.get(f"{sec_name}.{key}", "")
+                raise UserError(f"{where}: unknown key{hint}; [{sec_name}] has {', '.join(fields)}")
             value = _coerce(value, hints[key], where)
             _check_range(value, fields[key].metadata, where)
             setattr(section, key, value)
@@ -102,6 +111,20 @@ def validate(cfg: Config, source: str = "config") -> None:
                         f"summing to the head dim {head_dim} (hidden / heads)")
     if m.double_blocks + m.single_blocks == 0:
         raise UserError(f"{source}: model.double_blocks + model.single_blocks must be >= 1")
+    par = cfg.parallel
+    for key in ("dp_replicate", "dp_shard", "cp"):
+        if getattr(par, key) == 0:
+            raise UserError(f"{source}: parallel.{key} = 0: expected a size >= 1, or -1 for the rest of the world")
+    if not re.fullmatch(r"none|full|selective|every:[1-9][0-9]*", par.ac):
+        raise UserError(f"{source}: parallel.ac = {par.ac!r}: expected 'none', 'full', 'selective' or 'every:N' "
+                        "with N >= 1")
+    if par.cp > 1 and m.heads % par.cp:
+        raise UserError(f"{source}: parallel.cp = {par.cp} must divide model.heads = {m.heads} (Ulysses splits "
+                        f"heads): use one of {[c for c in range(1, m.heads + 1) if m.heads % c == 0]}")
+    tc = cfg.train
+    if tc.micro_batch and tc.global_batch % tc.micro_batch:
+        raise UserError(f"{source}: train.micro_batch = {tc.micro_batch} must divide train.global_batch = "
+                        f"{tc.global_batch}")
     d = cfg.data
     if len(d.background) != 2 or not 0 <= d.background[0] <= d.background[1] <= 255:
         raise UserError(f"{source}: data.background = {d.background}: expected [lo, hi] with 0 <= lo <= hi <= 255")

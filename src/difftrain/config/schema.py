@@ -52,6 +52,9 @@ class ModelConfig:
     init: str = meta("parameter initialisation; 'zero-out' zeroes modulation gates and the output head "
                      "(adaLN-zero) so every block starts as identity", choices=("zero-out", "default"),
                      default="zero-out")
+    init_from: str = meta("start from pretrained weights: a diffusers FLUX transformer directory (config.json + "
+                          "safetensors shards) or a difftrain export; loaded shard by shard into the sharded model "
+                          "('' = train from the initialisation)", default="")
 
 
 @dataclass
@@ -123,8 +126,12 @@ class DiffusionConfig:
 class TrainConfig:
     steps: int = meta("optimizer steps", ge=0, default=200)
     minutes: float = meta("stop after this many minutes of training (0 = no limit)", ge=0, default=0.0)
-    batch_size: int = meta("examples per micro-batch (per process)", ge=1, default=16)
-    grad_accum: int = meta("micro-batches per optimizer step", ge=1, default=1)
+    global_batch: int = meta("samples per optimizer step, summed over all data-parallel ranks (the numerics are "
+                             "defined by it: any world size that divides it computes the same step)", ge=1,
+                             default=16)
+    micro_batch: int = meta("most samples one rank runs in one forward; gradient accumulation = global_batch / "
+                            "(data-parallel size x micro_batch) (0 = the rank's whole share, no accumulation)",
+                            ge=0, default=0)
     lr: float = meta("peak learning rate", gt=0, default=3e-4)
     min_lr_ratio: float = meta("final LR as a fraction of peak (cosine)", ge=0, le=1, default=0.1)
     warmup_steps: int = meta("linear warmup steps", ge=0, default=20)
@@ -138,6 +145,8 @@ class TrainConfig:
     precision: str = meta("'auto' = bf16 autocast where the device supports it, else fp32",
                           choices=("auto", "bf16", "fp32"), default="auto")
     compile: bool = meta("torch.compile each block", default=False)
+    compile_cache: str = meta("persistent compile cache directory ('' = RUN/compile_cache, so a restarted job does "
+                              "not pay the full compile again; 'off' = torch's default per-user cache)", default="")
     threads: int = meta("CPU threads for torch (0 = torch's default)", ge=0, default=0)
     log_every: int = meta("steps between metric lines", ge=1, default=10)
     sample_every: int = meta("steps between sample grids (0 = only at the end)", ge=0, default=0)
@@ -146,10 +155,32 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp_replicate: int = meta("data-parallel replicas (HSDP: replicate across, shard within); -1 = the rest of the "
+                             "world", ge=-1, default=1)
+    dp_shard: int = meta("FSDP2 shard group size (1 = no sharding: DDP arithmetic); -1 = the rest of the world",
+                         ge=-1, default=-1)
+    cp: int = meta("context-parallel size (Ulysses all-to-all over heads; must divide model.heads); -1 = the rest",
+                   ge=-1, default=1)
+    backend: str = meta("process-group backend: 'auto' = NCCL on GPUs, gloo on CPUs", choices=("auto", "nccl", "gloo"),
+                        default="auto")
+    ac: str = meta("activation checkpointing: 'none', 'full' (every block), 'every:N' (every N-th block) or "
+                   "'selective' (keep matmul/attention outputs, recompute the rest); off by default: shard first, "
+                   "'difftrain plan' says when it is needed", default="none")
+    cpu_offload: bool = meta("keep sharded parameters, gradients and optimizer state in host memory "
+                             "(FSDP2 CPUOffloadPolicy)", default=False)
+    timeout_minutes: float = meta("collective timeout after the first steps", gt=0, default=10.0)
+    startup_timeout_minutes: float = meta("collective timeout for start-up and the first steps (compilation, "
+                                          "checkpoint loading)", gt=0, default=30.0)
+    startup_steps: int = meta("steps that run under startup_timeout_minutes", ge=0, default=5)
+
+
+@dataclass
 class SampleConfig:
     steps: int = meta("Euler steps", ge=1, default=20)
     cfg_scale: float = meta("classifier-free guidance scale (1 = off)", ge=0, default=4.0)
-    shift: str = meta("sampling schedule shift ('train' = same as diffusion.shift)",
+    shift: str = meta("sampling schedule shift ('train' = same as diffusion.shift; 'resolution' = FLUX's mu from the "
+                      "image token count)",
                       choices=("train", "none", "fixed", "resolution"), default="train")
     shift_value: float = meta("shift for 'fixed'", gt=0, default=1.0)
     seed: int = meta("sampling seed", ge=0, default=0)
@@ -175,3 +206,4 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -28,11 +28,12 @@ class Batch:
     grid: tuple[int, int, int]     # (frames, latent h, latent w): how tokens unpack into frames
     task: str = "t2i"
     meta: list[dict] = field(default_factory=list)   # per-example facts for evaluation and logging
+    sample_ids: list[int] = field(default_factory=list)  # global index of each example in the training stream
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(self.x0_BLC.to(device), self.ids_BL3.to(device), self.loss_mask_BL.to(device),
                      {k: v.to(device) for k, v in self.tokens.items()}, self.prompts, self.grid, self.task,
-                     self.meta)
+                     self.meta, self.sample_ids)
 
     def __len__(self) -> int:
         return self.x0_BLC.shape[0]

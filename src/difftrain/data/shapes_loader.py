@@ -3,8 +3,10 @@ keyframe batches by weight.
 
 The batch plan is a pure function of (seed, step, world size, global batch): which task a step
 draws, which examples fill its global batch and how each example is perturbed (caption dropout,
-which keyframes are given). Rank r of W reads slice r of every global batch. The state is a few
-integers, so a run resumes exactly, on any process count that divides the global batch.
+which keyframes are given, each a function of (seed, step, slot in the global batch)). Data rank r of
+D reads slice r of every global batch, split into micro-batches for gradient accumulation; each
+sample carries its global index (step x global batch + slot). The state is a few integers counting
+optimizer steps, so a run resumes exactly on any process count that divides the global batch.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ def to_tensor(images_uint8: np.ndarray) -> Tensor:
 
 
 def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, task: str, indices: list[int],
-               keyframe_targets: list[list[bool]] | None = None, dropped: list[bool] | None = None) -> Batch:
+               keyframe_targets: list[list[bool]] | None = None, dropped: list[bool] | None = None,
+               sample_ids: list[int] | None = None) -> Batch:
     """Examples ``indices`` of ``task`` as one assembled batch. ``keyframe_targets[b][f]``: frame f of
-    example b is predicted (default: all); ``dropped[b]``: example b gets the empty prompt."""
+    example b is predicted (default: all); ``dropped[b]``: example b gets the empty prompt; ``sample_ids``:
+    the examples' global indices in the training stream (what noise and timesteps are drawn from)."""
     frames: list[np.ndarray] = []
     prompts: list[str] = []
     targets: list[list[bool]] = []
@@ -58,11 +62,14 @@ def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize,
         prompts.append("" if dropped and dropped[b] else prompt)
     pixels = to_tensor(np.stack(frames))                   # (B, F, 3, H, W)
     B, F = pixels.shape[:2]
+    weight = next(autoencoder.parameters(), None)          # encode where the autoencoder lives (GPU or CPU)
     with torch.no_grad():
-        lat = autoencoder.encode(pixels.flatten(0, 1))
+        lat = autoencoder.encode(pixels.flatten(0, 1).to(weight.device if weight is not None else "cpu"))
     lat = lat.reshape(B, F, *lat.shape[1:])
     frame_index = [0] if task == "t2i" else ([0, 1] if task == "edit" else list(range(F)))
-    return assemble(lat, frame_index, torch.tensor(targets), tokenize(prompts), prompts, task, meta)
+    batch = assemble(lat, frame_index, torch.tensor(targets), tokenize(prompts), prompts, task, meta)
+    batch.sample_ids = list(sample_ids) if sample_ids is not None else list(indices)
+    return batch
 
 
 class IndexStream:
@@ -97,14 +104,22 @@ class IndexStream:
 
 
 class ShapesLoader:
-    def __init__(self, world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, batch_size: int,
+    """Yields, per optimizer step, this data rank's micro-batches of the step's global batch."""
+
+    def __init__(self, world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, global_batch: int,
                  weights: dict[str, float], world_size: int, caption_dropout: float = 0.0,
-                 keyframe_cond_prob: float = 0.5, seed: int = 0, rank: int = 0, num_ranks: int = 1):
+                 keyframe_cond_prob: float = 0.5, seed: int = 0, micro_batch: int = 0, rank: int = 0,
+                 num_ranks: int = 1):
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
+        if global_batch % num_ranks:
+            raise ValueError(f"global batch {global_batch} is not divisible by {num_ranks} data-parallel ranks")
+        self.share = global_batch // num_ranks
+        self.micro_batch = micro_batch or self.share
+        if self.share % self.micro_batch:
+            raise ValueError(f"micro-batch {self.micro_batch} does not divide the per-rank share {self.share}")
         self.world, self.autoencoder, self.tokenize = world, autoencoder, tokenize
-        self.batch_size, self.rank, self.num_ranks = batch_size, rank, num_ranks
-        self.global_batch = batch_size * num_ranks
+        self.global_batch, self.rank, self.num_ranks = global_batch, rank, num_ranks
         self.tasks = [t for t in TASKS if weights.get(t, 0.0) > 0]
         if not self.tasks:
             raise ValueError(f"no task has a positive weight: {weights}")
@@ -125,20 +140,24 @@ class ShapesLoader:
     def __iter__(self) -> "ShapesLoader":
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> list[Batch]:
         step, task = self.step, self._task_at(self.step)
         indices = self.streams[task].take(self.global_batch)   # every rank advances the same global plan
         self.step += 1
-        lo = self.rank * self.batch_size
-        slots = range(lo, lo + self.batch_size)
-        return self._build(task, [indices[s] for s in slots], [self._example_rng(step, s) for s in slots])
+        lo = self.rank * self.share
+        out = []
+        for m in range(lo, lo + self.share, self.micro_batch):
+            slots = range(m, m + self.micro_batch)
+            out.append(self._build(task, [indices[s] for s in slots], [self._example_rng(step, s) for s in slots],
+                                   [step * self.global_batch + s for s in slots]))
+        return out
 
     # --- materialising examples -----------------------------------------------------------------
-    def _build(self, task: str, indices: list[int], rngs: list[np.random.Generator]) -> Batch:
+    def _build(self, task: str, indices: list[int], rngs: list[np.random.Generator], sample_ids: list[int]) -> Batch:
         k = self.world.frames
         targets = [self._keyframe_targets(k, rng) for rng in rngs] if task == "keyframes" else None
         dropped = [bool(rng.random() < self.caption_dropout) for rng in rngs]
-        return make_batch(self.world, self.autoencoder, self.tokenize, task, indices, targets, dropped)
+        return make_batch(self.world, self.autoencoder, self.tokenize, task, indices, targets, dropped, sample_ids)
 
     def _keyframe_targets(self, k: int, rng: np.random.Generator) -> list[bool]:
         """All frames are targets, or (with keyframe_cond_prob) a proper subset is given: the first g

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,11 +101,32 @@ def per_sample_error(v_pred_BLC: Tensor, x0_BLC: Tensor, eps_BLC: Tensor, mask_B
 
 
 def flow_loss(v_pred_BLC: Tensor, x0_BLC: Tensor, eps_BLC: Tensor, mask_BL: Tensor,
-              weight_B: Tensor | None = None) -> Tensor:
-    """Scalar loss: the mean over every target token of the batch (so a sample with more target
-    tokens, e.g. more keyframes, weighs more, as in a packed sequence), optionally weighted per sample."""
+              weight_B: Tensor | None = None, normalizer: float | None = None) -> Tensor:
+    """Scalar loss: the sum over every target token of the batch (so a sample with more target tokens,
+    e.g. more keyframes, weighs more, as in a packed sequence), optionally weighted per sample, divided by
+    ``normalizer``: by default this batch's target-token count (a mean); in training, the *global* count of
+    the step over all ranks and micro-batches, so that splitting a global batch does not change its loss."""
     err = (v_pred_BLC.float() - (eps_BLC.float() - x0_BLC.float())).pow(2).mean(-1)
     if weight_B is not None:
         err = err * weight_B[:, None]
     m = mask_BL.float()
-    return (err * m).sum() / m.sum().clamp(min=1.0)
+    denom = m.sum().clamp(min=1.0) if normalizer is None else normalizer
+    return (err * m).sum() / denom
+
+
+def sample_generator(seed: int, step: int, sample_id: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of one training sample's draws: a function of (seed, step, global sample index) only,
+    never of a rank's state, so a global batch draws the same numbers however it is split over ranks."""
+    state = np.random.SeedSequence([seed, step, sample_id]).generate_state(2, dtype=np.uint32)
+    return torch.Generator(device=device).manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+
+
+def draw_t_and_noise(spec: FlowSpec, seed: int, step: int, sample_ids: list[int], shape_LC: tuple[int, int],
+                     image_tokens: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Per-sample timesteps (B,) and noise (B, L, C), each sample from its own ``sample_generator``."""
+    ts, eps = [], []
+    for sid in sample_ids:
+        gen = sample_generator(seed, step, sid, device)
+        ts.append(sample_t(1, spec, image_tokens, gen, device))
+        eps.append(torch.randn(shape_LC, generator=gen, device=device))
+    return torch.cat(ts), torch.stack(eps)

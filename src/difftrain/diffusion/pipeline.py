@@ -26,10 +26,11 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 class Pipeline:
     def __init__(self, model: nn.ModuleDict, text_encoder: nn.Module, autoencoder: Autoencoder, flow: FlowSpec,
                  device: torch.device | str = "cpu", amp_dtype: torch.dtype | None = None,
-                 guidance: float | None = None):
+                 guidance: float | None = None, sample_shift: tuple[str, float] = ("train", 1.0)):
         self.model, self.text_encoder, self.autoencoder, self.flow = model, text_encoder, autoencoder, flow
         self.device, self.amp_dtype = torch.device(device), amp_dtype
         self.guidance = guidance   # for guidance-embedding models (FLUX.1-dev), the embedded scale
+        self.sample_shift = sample_shift   # (sample.shift, sample.shift_value); 'train' = the training shift
 
     @property
     def dit(self) -> nn.Module:
@@ -56,7 +57,10 @@ class Pipeline:
         B = len(batch)
         _, H, W = batch.grid
         if shift is None:
-            shift = shift_factor(self.flow.shift, self.flow.shift_value, (H // 2) * (W // 2))
+            kind, value = self.sample_shift
+            if kind == "train":
+                kind, value = self.flow.shift, self.flow.shift_value
+            shift = shift_factor(kind, value, (H // 2) * (W // 2))
         if cfg_scale != 1.0:
             empty = self.text_encoder.tokenize([""] * B)
             both = self.embed(batch_tokens({k: v.cpu() for k, v in batch.tokens.items()}, empty))

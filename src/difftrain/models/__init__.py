@@ -50,12 +50,14 @@ def config_dit_params(cfg: Config) -> DiTParams:
     return dit_params(cfg, in_ch, words, words)
 
 
-def build_dit(params: DiTParams, init: str = "zero-out", device: torch.device | str = "cpu") -> MMDiT:
-    """On 'meta' the model is shapes only (for counting, or to materialise after sharding)."""
-    with torch.device(device):
+def build_dit(params: DiTParams, init: str = "zero-out", device: torch.device | str = "cpu", seed: int = 0) -> MMDiT:
+    """On 'meta' the model is shapes only (for counting, or to materialise after sharding and then
+    ``init_weights``); elsewhere it is initialised with ``seed``."""
+    with torch.device("meta"):
         model = MMDiT(params)
     if str(device) != "meta":
-        model.init_weights(init)
+        model.to_empty(device=device)
+        model.init_weights(init, seed)
     return model
 
 
@@ -63,7 +65,7 @@ def build_model(cfg: Config, text_encoder: nn.Module, autoencoder: Autoencoder,
                 device: torch.device | str = "cpu") -> nn.ModuleDict:
     """The trainable module: {"dit"} plus {"text"} when the text encoder is trained with it."""
     params = dit_params(cfg, autoencoder.latent_channels * 4, text_encoder.dim, text_encoder.pooled_dim)
-    modules = {"dit": build_dit(params, cfg.model.init, device)}
+    modules = {"dit": build_dit(params, cfg.model.init, device, cfg.run.seed)}
     if getattr(text_encoder, "trainable", False):
         modules["text"] = text_encoder
     return nn.ModuleDict(modules)

@@ -8,13 +8,15 @@ assembles that sequence. Distribution (FSDP, compile) is applied from outside (`
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
-from difftrain.models.layers import (DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, PositionEmbedder,
-                                     timestep_embedding)
+from difftrain.models.layers import (DoubleStreamBlock, LastLayer, MLPEmbedder, Modulation, PositionEmbedder, QKNorm,
+                                     SingleStreamBlock, timestep_embedding)
 from difftrain.models.rope import rope_angles
 
 
@@ -69,8 +71,9 @@ class MMDiT(nn.Module):
 
     def forward(self, img_BLC: Tensor, img_ids_BL3: Tensor, txt_BTD: Tensor, t_B: Tensor, pooled_BP: Tensor,
                 guidance_B: Tensor | None = None, txt_ids_BT3: Tensor | None = None,
-                txt_mask_BT: Tensor | None = None) -> Tensor:
-        """Predict (B, L, C) for every image token; the caller decides which tokens the loss sees."""
+                txt_mask_BT: Tensor | None = None, img_mask_BL: Tensor | None = None) -> Tensor:
+        """Predict (B, L, C) for every image token; the caller decides which tokens the loss sees.
+        ``txt_mask_BT`` / ``img_mask_BL`` (True = real) mask padding out of attention as keys."""
         B, T = txt_BTD.shape[:2]
         img, txt = self.img_in(img_BLC), self.txt_in(txt_BTD)
         if self.pos_in is not None:
@@ -85,9 +88,11 @@ class MMDiT(nn.Module):
         rope = rope_angles(torch.cat((txt_ids_BT3, img_ids_BL3), 1), self.params.axes_dims_rope,
                            self.params.rope_theta)
         mask = None
-        if txt_mask_BT is not None and not bool(txt_mask_BT.all()):
-            keep = torch.ones(B, img.shape[1], dtype=torch.bool, device=img.device)
-            mask = torch.cat((txt_mask_BT.bool(), keep), 1)[:, None, None, :]
+        if txt_mask_BT is not None or img_mask_BL is not None:
+            keep_t = txt_mask_BT if txt_mask_BT is not None else torch.ones(B, T, device=img.device)
+            keep_i = img_mask_BL if img_mask_BL is not None else torch.ones(B, img.shape[1], device=img.device)
+            keys = torch.cat((keep_t.bool(), keep_i.bool()), 1)
+            mask = None if bool(keys.all()) else keys[:, None, None, :]
         for block in self.double_blocks:
             img, txt = block(img, txt, vec, rope, mask)
         x = torch.cat((txt, img), 1)
@@ -96,30 +101,66 @@ class MMDiT(nn.Module):
         return self.final_layer(x[:, T:], vec)
 
     @torch.no_grad()
-    def init_weights(self, scheme: str = "zero-out") -> None:
-        """Xavier linears with zero bias; 'zero-out' also zeroes every modulation and the output head,
-        so each block starts as the identity (adaLN-zero, as DiT)."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif hasattr(m, "reset_parameters") and not isinstance(m, nn.Linear):
-                m.reset_parameters()
-        for emb in (self.time_in, self.vector_in, self.guidance_in):
-            if emb is not None:
-                nn.init.normal_(emb.in_layer.weight, std=0.02)
-                nn.init.normal_(emb.out_layer.weight, std=0.02)
+    def init_weights(self, scheme: str = "zero-out", seed: int = 0, write: WriteFn | None = None) -> None:
+        """Xavier linears with zero bias, N(0, 0.02) embedder MLPs, unit QK-norm scales; 'zero-out' also
+        zeroes every modulation and the output head, so each block starts as the identity (adaLN-zero).
+
+        The scheme is chosen by module type; the random values of each parameter come from a generator
+        seeded by (seed, parameter name), drawn at the parameter's full shape. So the initial model is the
+        same for any world size or sharding: ``write(param, full_value)`` puts the value (or the part of it
+        a rank holds) into the parameter; by default it copies the whole tensor."""
+        write = write or _copy_into
+        rules: dict[str, Init] = {}
+        for mod_name, mod in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            if isinstance(mod, nn.Linear):
+                rules[prefix + "weight"] = "xavier"
+                if mod.bias is not None:
+                    rules[prefix + "bias"] = "zeros"
+            elif isinstance(mod, QKNorm):
+                rules[prefix + "query_norm"] = rules[prefix + "key_norm"] = "ones"
+        for emb in ("time_in", "vector_in", "guidance_in"):
+            for layer in ("in_layer", "out_layer"):
+                if f"{emb}.{layer}.weight" in rules:
+                    rules[f"{emb}.{layer}.weight"] = "normal"
         if scheme == "zero-out":
-            for block in list(self.double_blocks) + list(self.single_blocks):
-                for mod in block.modules():
-                    if type(mod).__name__ == "Modulation":
-                        nn.init.zeros_(mod.lin.weight)
-                        nn.init.zeros_(mod.lin.bias)
-            nn.init.zeros_(self.final_layer.adaLN_modulation[1].weight)
-            nn.init.zeros_(self.final_layer.adaLN_modulation[1].bias)
-            nn.init.zeros_(self.final_layer.linear.weight)
-            nn.init.zeros_(self.final_layer.linear.bias)
+            for mod_name, mod in self.named_modules():
+                if isinstance(mod, Modulation):
+                    rules[f"{mod_name}.lin.weight"] = rules[f"{mod_name}.lin.bias"] = "zeros"
+            for name in ("final_layer.adaLN_modulation.1", "final_layer.linear"):
+                rules[f"{name}.weight"] = rules[f"{name}.bias"] = "zeros"
+        for name, param in self.named_parameters():
+            if name not in rules:
+                raise TypeError(f"no initialisation rule for parameter {name!r}")  # a new module type: add a rule
+            write(param, _init_value(rules[name], param, _generator(seed, name, param.device)))
+
+
+Init = str   # "xavier" | "normal" | "zeros" | "ones"
+WriteFn = Callable[[nn.Parameter, Tensor], None]
+
+
+def _copy_into(param: nn.Parameter, value: Tensor) -> None:
+    param.copy_(value)
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _init_value(rule: Init, param: Tensor, gen: torch.Generator) -> Tensor:
+    value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    if rule == "xavier":
+        nn.init.xavier_uniform_(value, generator=gen)
+    elif rule == "normal":
+        nn.init.normal_(value, std=0.02, generator=gen)
+    elif rule == "zeros":
+        nn.init.zeros_(value)
+    elif rule == "ones":
+        nn.init.ones_(value)
+    else:
+        raise ValueError(f"unknown init rule {rule!r}")
+    return value.to(param.dtype)
 
 
 def num_params(module: nn.Module) -> int:

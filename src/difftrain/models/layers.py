@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from difftrain.models.rope import attention
+from difftrain.models.attention import Attention
 
 
 def timestep_embedding(t_B: Tensor, dim: int = 256, max_period: float = 10000.0, time_factor: float = 1000.0) -> Tensor:
@@ -135,6 +135,7 @@ class DoubleStreamBlock(nn.Module):
         self.img_attn = SelfAttentionParams(dim, heads, qkv_bias)
         self.txt_attn = SelfAttentionParams(dim, heads, qkv_bias)
         self.img_mlp, self.txt_mlp = _mlp(dim, mlp_hidden), _mlp(dim, mlp_hidden)
+        self.attention = Attention()
 
     def forward(self, img: Tensor, txt: Tensor, vec: Tensor, rope: tuple[Tensor, Tensor],
                 mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -143,7 +144,7 @@ class DoubleStreamBlock(nn.Module):
         iq, ik, iv = self.img_attn.qkv_heads(_modulate(img, i_shift1, i_scale1))
         tq, tk, tv = self.txt_attn.qkv_heads(_modulate(txt, t_shift1, t_scale1))
         # Joint attention over [text; image], the order of the position ids.
-        attn = attention(torch.cat((tq, iq), 2), torch.cat((tk, ik), 2), torch.cat((tv, iv), 2), rope, mask)
+        attn = self.attention(torch.cat((tq, iq), 2), torch.cat((tk, ik), 2), torch.cat((tv, iv), 2), rope, mask)
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
         img = img + i_gate1[:, None] * self.img_attn.proj(img_attn)
         img = img + i_gate2[:, None] * self.img_mlp(_modulate(img, i_shift2, i_scale2))
@@ -163,13 +164,14 @@ class SingleStreamBlock(nn.Module):
         self.linear2 = nn.Linear(dim + self.mlp_hidden, dim)
         self.norm = QKNorm(dim // heads)
         self.modulation = Modulation(dim, 1)
+        self.attention = Attention()
 
     def forward(self, x: Tensor, vec: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
         shift, scale, gate = self.modulation(vec)
         qkv, mlp = self.linear1(_modulate(x, shift, scale)).split([3 * self.dim, self.mlp_hidden], dim=-1)
         q, k, v = _split_heads(qkv, self.heads)
         q, k = self.norm(q, k)
-        out = self.linear2(torch.cat((attention(q, k, v, rope, mask), F.gelu(mlp, approximate="tanh")), dim=-1))
+        out = self.linear2(torch.cat((self.attention(q, k, v, rope, mask), F.gelu(mlp, approximate="tanh")), dim=-1))
         return x + gate[:, None] * out
 
 

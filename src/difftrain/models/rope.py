@@ -1,4 +1,4 @@
-"""3D rotary position embedding over (index, row, column), and attention.
+"""3D rotary position embedding over (index, row, column).
 
 Each of the three position axes owns a contiguous slice of the head dimension
 (``axes_dims``, e.g. FLUX's (16, 56, 56)); inside a slice, adjacent channel pairs (2i, 2i+1)
@@ -9,7 +9,6 @@ not rotated. Position ids are per sample (B, L, 3): a packed batch may mix layou
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -34,11 +33,3 @@ def apply_rope(x_BHLD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x0, x1 = x_BHLD.float().unflatten(-1, (-1, 2)).unbind(-1)
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
     return out.type_as(x_BHLD)
-
-
-def attention(q_BHLD: Tensor, k_BHLD: Tensor, v_BHLD: Tensor, rope: tuple[Tensor, Tensor],
-              mask: Tensor | None = None) -> Tensor:
-    """Rotary attention; returns (B, L, H*D). ``mask`` is a key mask (B, 1, 1, L), True = attend."""
-    q, k = apply_rope(q_BHLD, *rope), apply_rope(k_BHLD, *rope)
-    out = F.scaled_dot_product_attention(q, k, v_BHLD, attn_mask=mask)
-    return out.transpose(1, 2).flatten(2)

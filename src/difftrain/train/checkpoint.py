@@ -1,9 +1,11 @@
 """Full training-state checkpoints with torch.distributed.checkpoint (DCP), stored as safetensors.
 
 Layout of ``RUN/checkpoints/step_00000123/``:
-- ``*.safetensors`` (+ index): every tensor: ``model.*``, ``ema.*``, ``optim.*`` (flattened AdamW state),
-  ``rng.*``. Written through DCP's safetensors storage, so the same code saves one process's full
-  tensors now and each rank's shards under FSDP later, and reloads onto a different sharding.
+- ``*.safetensors``: every tensor: ``model.*``, ``ema.*``, ``optim.*`` (flattened AdamW state). Written
+  through DCP's safetensors storage: one process writes full tensors; under FSDP each rank writes only
+  its own shards (with their offsets in the file header; a replicated tensor is written once), and a
+  load reshards onto any other world size. No RNG state is kept: every random draw of training is a
+  function of (seed, step, sample index), so nothing per-rank needs restoring.
 - ``trainer.json``: everything that is not a tensor: step, loader and schedule state, optimizer
   hyper-parameters, the resolved config and the text encoder's vocabulary, and a format marker.
 
@@ -47,6 +49,15 @@ def _is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 def _split(prefix: str, sd: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors = {f"{prefix}.{k}": v for k, v in sd.items() if isinstance(v, Tensor)}
     other = {k: v for k, v in sd.items() if not isinstance(v, Tensor)}
@@ -85,8 +96,11 @@ class Checkpointer:
         if _is_rank0():
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
+        _barrier()                       # the directory exists before any rank writes into it
         tensors, info = self._gather(model, optimizer, ema)
-        _quiet(dcp.save, tensors, storage_writer=HuggingFaceStorageWriter(str(partial)))
+        writer = HuggingFaceStorageWriter(str(partial), save_distributed=_distributed())
+        _quiet(dcp.save, tensors, storage_writer=writer)
+        _barrier()                       # every rank's shards are written before rank 0 seals the checkpoint
         if _is_rank0():
             doc = {"format": FORMAT, "step": step, "optimizer": info, **extra}
             (partial / "trainer.json").write_text(json.dumps(doc, indent=1, default=_json_default))
@@ -98,6 +112,7 @@ class Checkpointer:
             os.replace(tmp, self.dir / "latest")
             for old in self.complete_steps()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
+        _barrier()                       # no rank moves on (or exits) before the rename is done
         return final
 
     def _gather(self, model: nn.Module, optimizer, ema) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -110,9 +125,6 @@ class Checkpointer:
         tensors.update(opt_tensors)
         if ema is not None:
             tensors.update({f"ema.{k}": v for k, v in ema.state_dict().items()})
-        tensors["rng.cpu"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            tensors["rng.cuda"] = torch.cuda.get_rng_state()
         return tensors, opt_other
 
     # --- loading ---------------------------------------------------------------------------------
@@ -145,8 +157,9 @@ class Checkpointer:
 
     @staticmethod
     def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             ema: Any = None, restore_rng: bool = True) -> dict[str, Any]:
-        """Load what is asked for (model; optimizer, EMA, RNG if given) in place; returns trainer.json."""
+             ema: Any = None) -> dict[str, Any]:
+        """Load what is asked for (model; optimizer, EMA if given) in place, resharding as needed; returns
+        trainer.json."""
         info = Checkpointer.read_info(path)
         p = Path(info["path"])
         if optimizer is not None:
@@ -157,8 +170,6 @@ class Checkpointer:
         want.update({f"optim.{k}": v for k, v in osd.items() if isinstance(v, Tensor)})
         if ema is not None:
             want.update({f"ema.{k}": v for k, v in ema.state_dict().items()})
-        if restore_rng:
-            want["rng.cpu"] = torch.get_rng_state()
         _load_or_explain(want, p)
         model_sd = {k[len("model."):]: v for k, v in want.items() if k.startswith("model.")}
         if optimizer is not None:
@@ -170,8 +181,6 @@ class Checkpointer:
         if ema is not None:
             ema.load_state_dict({k[len("ema."):]: v for k, v in want.items() if k.startswith("ema.")})
             ema.updates = int(info.get("ema_updates", 0))
-        if restore_rng:
-            torch.set_rng_state(want["rng.cpu"])
         return info
 
     @staticmethod

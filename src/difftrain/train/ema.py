@@ -2,6 +2,8 @@
 
 The decay warms up as min(decay, (1 + n) / (10 + n)) so a short run's EMA is not dominated by its
 random initialisation. ``applied(model)`` swaps the EMA weights in for sampling and evaluation.
+Under FSDP the parameters are sharded DTensors and so is the EMA: each rank keeps (and checkpoints)
+only the shadow of its own shard, updated with local arithmetic.
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ import contextlib
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class EMA:
@@ -27,7 +34,7 @@ class EMA:
         d = self.current_decay()
         params = [p for name, p in model.named_parameters() if name in self.shadow]
         shadows = [self.shadow[name] for name, p in model.named_parameters() if name in self.shadow]
-        torch._foreach_lerp_(shadows, [p.detach().float() for p in params], 1.0 - d)
+        torch._foreach_lerp_([_local(s) for s in shadows], [_local(p.detach()).float() for p in params], 1.0 - d)
         self.updates += 1
 
     @contextlib.contextmanager
@@ -37,15 +44,15 @@ class EMA:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name in self.shadow:
-                    backup[name] = p.detach().clone()
-                    p.copy_(self.shadow[name])
+                    backup[name] = _local(p.detach()).clone()
+                    _local(p.detach()).copy_(_local(self.shadow[name]))
         try:
             yield model
         finally:
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if name in backup:
-                        p.copy_(backup[name])
+                        _local(p.detach()).copy_(backup[name])
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.shadow)
@@ -55,4 +62,4 @@ class EMA:
         if missing:
             raise KeyError(f"EMA state lacks {sorted(missing)[:3]}...")
         for k in self.shadow:
-            self.shadow[k].copy_(state[k])
+            _local(self.shadow[k]).copy_(_local(state[k]))

@@ -1,0 +1,168 @@
+"""Process group and device mesh: who this process is, on which device, and where it sits in the
+``dp_replicate x dp_shard x cp`` mesh.
+
+Started by torchrun (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT`` from its
+rendezvous) or as a plain process (world of one: no process group at all). The mesh is resolved and
+checked against the world size, and the global batch against the data-parallel size, before anything
+is allocated, so a wrong launch fails in a second with a message naming the key, not after loading a
+24B model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from difftrain.config.schema import Config
+from difftrain.errors import UserError
+
+log = logging.getLogger("difftrain.parallel")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
+
+
+def resolve_mesh(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """Fill in the one ``-1`` (the rest of the world) and check that the product is the world size."""
+    free = [k for k in MESH_DIMS if sizes[k] == -1]
+    if len(free) > 1:
+        raise UserError(f"parallel.{free[0]} and parallel.{free[1]} are both -1: at most one mesh size can be "
+                        "'the rest of the world'")
+    fixed = 1
+    for k in MESH_DIMS:
+        if sizes[k] != -1:
+            fixed *= sizes[k]
+    out = dict(sizes)
+    if free:
+        if world % fixed:
+            raise UserError(f"parallel.{free[0]} = -1: the other mesh sizes multiply to {fixed}, which does not "
+                            f"divide the world size {world}")
+        out[free[0]] = world // fixed
+    product = out["dp_replicate"] * out["dp_shard"] * out["cp"]
+    if product != world:
+        shown = " x ".join(f"{k} {out[k]}" for k in MESH_DIMS)
+        raise UserError(f"parallel mesh {shown} = {product} processes, but the world size is {world}: set one of "
+                        "parallel.dp_replicate / dp_shard / cp to -1, or sizes whose product is the world size")
+    return out
+
+
+def batch_split(global_batch: int, micro_batch: int, dp: int) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) of one rank for a global batch over ``dp`` data ranks."""
+    if global_batch % dp:
+        ok = [n for n in range(dp, 4 * dp + 1, dp)]
+        raise UserError(f"train.global_batch = {global_batch} is not divisible by the data-parallel size {dp} "
+                        f"(dp_replicate x dp_shard): use a multiple of {dp}, e.g. {ok[:3]}")
+    share = global_batch // dp
+    micro = micro_batch or share
+    if share % micro:
+        raise UserError(f"train.micro_batch = {micro_batch} must divide the per-rank share {share} of "
+                        f"train.global_batch = {global_batch} over {dp} data-parallel ranks")
+    return micro, share // micro
+
+
+@dataclass
+class ParallelEnv:
+    """Where this process sits. ``mesh`` is None for a world of one (no process group, no wrapping)."""
+    world: int = 1
+    rank: int = 0
+    device: torch.device = torch.device("cpu")
+    sizes: dict[str, int] | None = None
+    mesh: DeviceMesh | None = None
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.sizes is None else self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+
+    @property
+    def cp(self) -> int:
+        return 1 if self.sizes is None else self.sizes["cp"]
+
+    @property
+    def dp_rank(self) -> int:
+        """The loader's rank: this process's data-parallel coordinate (context-parallel peers share data)."""
+        if self.mesh is None:
+            return 0
+        return self.mesh["dp_replicate"].get_local_rank() * self.sizes["dp_shard"] + self.mesh["dp_shard"].get_local_rank()
+
+    @property
+    def cp_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh["cp"].get_local_rank()
+
+    @property
+    def cp_group(self):
+        return None if self.mesh is None else self.mesh["cp"].get_group()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards and reduces over: (dp_shard x cp) flattened, with dp_replicate as an outer
+        dimension when > 1 (HSDP). None when there is nothing to shard or replicate."""
+        if self.mesh is None:
+            return None
+        shard = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if self.sizes["dp_replicate"] == 1:
+            return shard
+        return self.mesh["dp_replicate", "dp_shard_cp"]
+
+
+def pick_backend(requested: str, has_cuda: bool) -> str:
+    if requested == "nccl" and not has_cuda:
+        raise UserError("parallel.backend = 'nccl' needs CUDA GPUs, and none is visible here: use 'gloo' "
+                        "(or 'auto', which picks gloo on CPUs)")
+    if requested == "auto":
+        return "nccl" if has_cuda else "gloo"
+    return requested
+
+
+def init_distributed(cfg: Config) -> ParallelEnv:
+    """Read torchrun's environment, check the mesh and batch split, start the process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    par = cfg.parallel
+    sizes = resolve_mesh({"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "cp": par.cp}, world)
+    if cfg.model.heads % sizes["cp"]:
+        raise UserError(f"parallel.cp = {sizes['cp']} must divide model.heads = {cfg.model.heads}")
+    batch_split(cfg.train.global_batch, cfg.train.micro_batch, sizes["dp_replicate"] * sizes["dp_shard"])
+    has_cuda = torch.cuda.is_available()
+    backend = pick_backend(par.backend, has_cuda)
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world == 1:
+        return ParallelEnv(1, 0, device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=par.startup_timeout_minutes),
+                                device_id=device if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, tuple(sizes[k] for k in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+    if rank == 0:
+        log.info("world %d (%s): %s", world, backend, " x ".join(f"{k} {sizes[k]}" for k in MESH_DIMS))
+    return ParallelEnv(world, rank, device, sizes, mesh)
+
+
+def set_collective_timeout(minutes: float) -> None:
+    """Tighten the collective timeout once start-up (compilation, checkpoint loading) is over, so a hung rank
+    is detected in minutes. Uses c10d's private setter where this torch has it (no public API yet)."""
+    setter = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+    if dist.is_initialized() and setter is not None:
+        setter(datetime.timedelta(minutes=minutes))
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum scalars over all ranks in one collective (a no-op in a world of one)."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

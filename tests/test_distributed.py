@@ -1,0 +1,203 @@
+"""Real multi-process training (gloo, one thread per rank) against one process at the same global batch:
+FSDP2, DDP, HSDP and context parallelism; world-size-independent initialisation; gradient accumulation
+with one reduction per step; checkpoints saved on 2 ranks and resumed on 1 and 4 (under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from difftrain.config import load_config, to_toml
+from difftrain.train.metrics import read_metrics
+
+from conftest import TINY
+
+pytestmark = pytest.mark.slow
+
+# 8 samples a step: divisible by every data-parallel size used below; heads 2 so cp = 2 divides them.
+BASE = TINY + ["train.global_batch=8", "train.ema_decay=0.9", "train.checkpoint_every=0", "train.threads=1",
+               "data.caption_dropout=0.3", "data.keyframe_cond_prob=0.6", "train.warmup_steps=1",
+        "train.schedule=constant"]   # runs of different lengths share the LR of each step
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _run(cfg, run_dir, steps_for_grads=1):
+    """Train ``cfg`` in this process (distributed if a process group is up); returns per-step losses, the
+    step-1 gradients, the initial parameters and the number of reduce-scatters per step (full tensors)."""
+    from difftrain.parallel.dist import init_distributed
+    from difftrain.train.trainer import Trainer
+
+    tr = Trainer(cfg, run_dir, env=init_distributed(cfg))
+    init = {k: _full(p.detach()).clone() for k, p in tr.model.named_parameters()}
+    grads, reductions = {}, []
+    step = tr.optimizer.step
+
+    def capture(*a, **kw):
+        if tr.step < steps_for_grads:
+            grads.update({k: _full(p.grad).clone() for k, p in tr.model.named_parameters()})
+        return step(*a, **kw)
+
+    tr.optimizer.step = capture
+    # FSDP2 reduces gradients with one of these (which one depends on the torch release): count the calls.
+    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(torch.distributed, n)]
+    originals = {n: getattr(torch.distributed, n) for n in names}
+    count = [0]
+
+    def counting(fn):
+        def wrapped(*a, **kw):
+            count[0] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    for n in names:
+        setattr(torch.distributed, n, counting(originals[n]))
+    losses = []
+
+    def on_step(s, total, stats):
+        losses.append(stats.loss)
+        reductions.append(count[0])
+        count[0] = 0
+    try:
+        tr.fit(on_step)
+    finally:
+        for n, fn in originals.items():
+            setattr(torch.distributed, n, fn)
+    return {"losses": losses, "grads": grads, "init": init, "reductions": reductions, "accum": tr.accum}
+
+
+def _worker(rank: int, world: int, port: int, scenarios: dict, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        for name, overrides in scenarios.items():
+            cfg = load_config(None, BASE + overrides)
+            results[name] = _run(cfg, Path(out) / name)
+            torch.distributed.barrier()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if rank == 0:
+        torch.save(results, Path(out) / "results.pt")
+
+
+def _spawn(world: int, scenarios: dict, tmp_path: Path) -> dict:
+    mp.spawn(_worker, args=(world, _free_port(), scenarios, str(tmp_path)), nprocs=world, join=True)
+    return torch.load(tmp_path / "results.pt")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12))
+
+
+def _assert_same_training(got: dict, ref: dict, what: str) -> None:
+    steps = len(ref["losses"])
+    assert len(got["losses"]) == steps, what
+    assert abs(got["losses"][0] - ref["losses"][0]) <= 1e-5 * abs(ref["losses"][0]), (what, got["losses"][0],
+                                                                                     ref["losses"][0])
+    for s, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        assert abs(a - b) <= 1e-4 * abs(b), (what, s + 1, a, b)
+    assert got["grads"].keys() == ref["grads"].keys()
+    worst = max((_rel(got["grads"][k], ref["grads"][k]), k) for k in ref["grads"] if ref["grads"][k].norm() > 0)
+    assert worst[0] <= 1e-5, (what, worst)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, the same global batch of 8, 20 steps."""
+    d = tmp_path_factory.mktemp("ref")
+    return {"plain": _run(load_config(None, BASE + ["train.steps=20"]), d / "plain"),
+            "accum": _run(load_config(None, BASE + ["train.steps=20", "train.micro_batch=2"]), d / "accum")}
+
+
+def test_two_ranks_fsdp_ddp_cp_and_accumulation_match_one_rank(reference, tmp_path):
+    scenarios = {
+        "fsdp": ["train.steps=20", "parallel.dp_shard=2"],
+        "ddp": ["train.steps=4", "parallel.dp_replicate=2", "parallel.dp_shard=1"],
+        "cp": ["train.steps=4", "parallel.dp_shard=1", "parallel.cp=2"],
+        "accum": ["train.steps=4", "parallel.dp_shard=2", "train.micro_batch=2"],
+    }
+    got = _spawn(2, scenarios, tmp_path)
+    ref = reference["plain"]
+    _assert_same_training(got["fsdp"], ref, "fsdp")
+    short = {**ref, "losses": ref["losses"][:4]}
+    _assert_same_training(got["ddp"], short, "ddp")
+    _assert_same_training(got["cp"], short, "cp")
+    acc = got["accum"]
+    _assert_same_training(acc, {**reference["accum"], "losses": reference["accum"]["losses"][:4]}, "accum")
+    assert acc["accum"] == 2
+    # one reduce-scatter per FSDP unit per step, not one per micro-batch
+    units = got["fsdp"]["reductions"][0]
+    assert units > 0 and acc["reductions"] == [units] * 4, (units, acc["reductions"])
+    for name in scenarios:                   # the same initial model whatever the mesh
+        for k, v in ref["init"].items():
+            assert torch.equal(got[name]["init"][k], v), (name, k)
+
+
+def test_four_ranks_hsdp_and_fsdp_with_cp_match_one_rank(reference, tmp_path):
+    got = _spawn(4, {"hsdp": ["train.steps=4", "parallel.dp_replicate=2", "parallel.dp_shard=2"],
+                     "fsdp_cp": ["train.steps=2", "parallel.dp_shard=2", "parallel.cp=2"]}, tmp_path)
+    ref = reference["plain"]
+    _assert_same_training(got["hsdp"], {**ref, "losses": ref["losses"][:4]}, "hsdp")
+    _assert_same_training(got["fsdp_cp"], {**ref, "losses": ref["losses"][:2]}, "fsdp_cp")
+    for k, v in ref["init"].items():
+        assert torch.equal(got["hsdp"]["init"][k], v), k
+
+
+def _torchrun(nproc: int, config: Path, run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "difftrain", "train", str(config), "--run-dir", str(run_dir), "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_torchrun_checkpoint_on_two_ranks_resumes_on_one_and_four(reference, tmp_path):
+    cfg_path = tmp_path / "tiny.toml"
+    cfg_path.write_text(to_toml(load_config(None, BASE + ["train.steps=20", "train.checkpoint_every=10",
+                                                          "train.keep_checkpoints=3"])))
+    a = tmp_path / "two"
+    proc = _torchrun(2, cfg_path, a)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["world_size"] == 2
+    straight = {m["step"]: m["loss"] for m in read_metrics(a)}
+    ref = reference["plain"]["losses"]
+    assert [straight[s] for s in range(1, 21)] == pytest.approx(ref, rel=1e-4)
+    # each rank wrote its own shard files
+    assert len(list((a / "checkpoints" / "step_00000010").glob("*.safetensors"))) >= 2
+    for world in (1, 4):
+        b = tmp_path / f"resume{world}"
+        shutil.copytree(a, b)
+        shutil.rmtree(b / "checkpoints" / "step_00000020")
+        (b / "checkpoints" / "latest").write_text("step_00000010")
+        (b / "metrics.jsonl").unlink()
+        if world == 1:
+            from difftrain.cli import main
+            assert main(["train", str(cfg_path), "--run-dir", str(b), "--no-progress"]) == 0
+        else:
+            _torchrun(world, cfg_path, b, "parallel.dp_shard=4")
+        resumed = {m["step"]: m["loss"] for m in read_metrics(b)}
+        assert sorted(resumed) == list(range(11, 21)), world
+        for s in range(11, 21):
+            assert resumed[s] == pytest.approx(straight[s], rel=1e-4), (world, s)
