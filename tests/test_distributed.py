@@ -133,7 +133,7 @@ def test_two_ranks_fsdp_ddp_cp_and_accumulation_match_one_rank(reference, tmp_pa
     scenarios = {
         "fsdp": ["train.steps=20", "parallel.dp_shard=2"],
         "ddp": ["train.steps=4", "parallel.dp_replicate=2", "parallel.dp_shard=1"],
-        "cp": ["train.steps=4", "parallel.dp_shard=1", "parallel.cp=2"],
+        "cp": ["train.steps=4", "parallel.dp_shard=1", "parallel.cp=2", "train.sample_every=4"],
         "accum": ["train.steps=4", "parallel.dp_shard=2", "train.micro_batch=2"],
     }
     got = _spawn(2, scenarios, tmp_path)
@@ -148,6 +148,7 @@ def test_two_ranks_fsdp_ddp_cp_and_accumulation_match_one_rank(reference, tmp_pa
     # one reduce-scatter per FSDP unit per step, not one per micro-batch
     units = got["fsdp"]["reductions"][0]
     assert units > 0 and acc["reductions"] == [units] * 4, (units, acc["reductions"])
+    assert (tmp_path / "cp" / "samples" / "step_00000004.png").is_file()   # sampled on both ranks, cp off
     for name in scenarios:                   # the same initial model whatever the mesh
         for k, v in ref["init"].items():
             assert torch.equal(got[name]["init"][k], v), (name, k)
@@ -177,15 +178,19 @@ def _torchrun(nproc: int, config: Path, run_dir: Path, *sets: str) -> subprocess
 def test_torchrun_checkpoint_on_two_ranks_resumes_on_one_and_four(reference, tmp_path):
     cfg_path = tmp_path / "tiny.toml"
     cfg_path.write_text(to_toml(load_config(None, BASE + ["train.steps=20", "train.checkpoint_every=10",
-                                                          "train.keep_checkpoints=3"])))
+                                                          "train.keep_checkpoints=3", "train.sample_every=20"])))
     a = tmp_path / "two"
     proc = _torchrun(2, cfg_path, a)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["world_size"] == 2
     straight = {m["step"]: m["loss"] for m in read_metrics(a)}
     ref = reference["plain"]["losses"]
     assert [straight[s] for s in range(1, 21)] == pytest.approx(ref, rel=1e-4)
-    # each rank wrote its own shard files
+    # each rank wrote its own shard files; periodic sampling ran on both ranks; the export is whole
     assert len(list((a / "checkpoints" / "step_00000010").glob("*.safetensors"))) >= 2
+    assert (a / "samples" / "step_00000020.png").is_file()
+    from safetensors.torch import load_file
+    weights = load_file(str(a / "export" / "model.safetensors"))
+    assert weights["dit.img_in.weight"].shape == (32, 192)
     for world in (1, 4):
         b = tmp_path / f"resume{world}"
         shutil.copytree(a, b)

@@ -77,7 +77,7 @@ def _swap_halves(t: Tensor) -> Tensor:
     return torch.cat((b, a), dim=0)
 
 
-def _plan(p: DiTParams) -> tuple[list[tuple[str, str]], list[tuple[str, tuple[str, ...]]]]:
+def tensor_plan(p: DiTParams) -> tuple[list[tuple[str, str]], list[tuple[str, tuple[str, ...]]]]:
     """Every tensor as (ours, diffusers) renames plus (ours, diffusers pieces) fusions."""
     renames: list[tuple[str, str]] = []
     fused: list[tuple[str, tuple[str, ...]]] = []
@@ -108,15 +108,15 @@ def _plan(p: DiTParams) -> tuple[list[tuple[str, str]], list[tuple[str, tuple[st
     return renames, fused
 
 
-_FINAL_ADALN = ("final_layer.adaLN_modulation.1", "norm_out.linear")
+FINAL_ADALN = ("final_layer.adaLN_modulation.1", "norm_out.linear")
 
 
 def from_diffusers(sd: dict[str, Tensor], p: DiTParams) -> dict[str, Tensor]:
     """A diffusers FLUX transformer state dict -> our state dict. Raises KeyError listing missing or
     unexpected keys, so a partial or foreign checkpoint never loads silently."""
-    renames, fused = _plan(p)
+    renames, fused = tensor_plan(p)
     expected = {d for _, d in renames} | {d for _, ds in fused for d in ds}
-    expected |= {f"{_FINAL_ADALN[1]}.weight", f"{_FINAL_ADALN[1]}.bias"}
+    expected |= {f"{FINAL_ADALN[1]}.weight", f"{FINAL_ADALN[1]}.bias"}
     missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
     if missing or unexpected:
         raise KeyError(f"not a FLUX transformer state dict for these params: missing {missing[:5]}"
@@ -126,13 +126,13 @@ def from_diffusers(sd: dict[str, Tensor], p: DiTParams) -> dict[str, Tensor]:
     for o, ds in fused:
         out[o] = torch.cat([sd[d] for d in ds], dim=0)
     for suffix in ("weight", "bias"):
-        out[f"{_FINAL_ADALN[0]}.{suffix}"] = _swap_halves(sd[f"{_FINAL_ADALN[1]}.{suffix}"])
+        out[f"{FINAL_ADALN[0]}.{suffix}"] = _swap_halves(sd[f"{FINAL_ADALN[1]}.{suffix}"])
     return out
 
 
 def to_diffusers(sd: dict[str, Tensor], p: DiTParams) -> dict[str, Tensor]:
     """Our state dict -> diffusers FLUX layout (inverse of ``from_diffusers``)."""
-    renames, fused = _plan(p)
+    renames, fused = tensor_plan(p)
     out = {d: sd[o] for o, d in renames}
     for o, ds in fused:
         total = sd[o].shape[0]
@@ -143,7 +143,7 @@ def to_diffusers(sd: dict[str, Tensor], p: DiTParams) -> dict[str, Tensor]:
         for d, piece in zip(ds, sd[o].split(sizes, dim=0)):
             out[d] = piece.contiguous()
     for suffix in ("weight", "bias"):
-        out[f"{_FINAL_ADALN[1]}.{suffix}"] = _swap_halves(sd[f"{_FINAL_ADALN[0]}.{suffix}"])
+        out[f"{FINAL_ADALN[1]}.{suffix}"] = _swap_halves(sd[f"{FINAL_ADALN[0]}.{suffix}"])
     return out
 
 

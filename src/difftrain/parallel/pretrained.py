@@ -39,7 +39,7 @@ import torch
 
 from difftrain.errors import UserError
 from difftrain.models.dit import DiTParams, MMDiT
-from difftrain.models.flux_adapter import _FINAL_ADALN, _plan, params_from_diffusers_config, to_diffusers
+from difftrain.models.flux_adapter import FINAL_ADALN, tensor_plan, params_from_diffusers_config, to_diffusers
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -140,7 +140,7 @@ def _diffusers_segments(p: DiTParams, shapes: dict[str, tuple[int, ...]]) -> tup
     split sizes are the adapter's own."""
     theirs = {k: tuple(v.shape) for k, v in to_diffusers(
         {k: torch.empty(s, device="meta") for k, s in shapes.items()}, p).items()}
-    renames, fused = _plan(p)
+    renames, fused = tensor_plan(p)
     segments: dict[str, list[_Segment]] = {}
     for o, d in renames:
         segments[o] = [_Segment(d, 0, theirs[d][0], 0)]
@@ -151,7 +151,7 @@ def _diffusers_segments(p: DiTParams, shapes: dict[str, tuple[int, ...]]) -> tup
             at += theirs[d][0]
         segments[o] = segs
     for suffix in ("weight", "bias"):
-        o, d = f"{_FINAL_ADALN[0]}.{suffix}", f"{_FINAL_ADALN[1]}.{suffix}"
+        o, d = f"{FINAL_ADALN[0]}.{suffix}", f"{FINAL_ADALN[1]}.{suffix}"
         n = theirs[d][0]                   # ours = cat(theirs[h:], theirs[:h]), h = ceil(n / 2) (from_diffusers' chunk)
         h = (n + 1) // 2
         segments[o] = [_Segment(d, h, n, 0), _Segment(d, 0, h, n - h)]

@@ -19,6 +19,15 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _reshard(model: nn.Module) -> None:
+    """Put every FSDP unit back in its sharded state, so ``named_parameters`` yields the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 class EMA:
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
@@ -40,6 +49,7 @@ class EMA:
     @contextlib.contextmanager
     def applied(self, model: nn.Module):
         """Temporarily load the EMA weights into ``model`` (restored on exit, even on error)."""
+        _reshard(model)
         backup = {}
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -49,6 +59,7 @@ class EMA:
         try:
             yield model
         finally:
+            _reshard(model)   # a forward in eval leaves FSDP roots gathered: swap back into the shards
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if name in backup:
