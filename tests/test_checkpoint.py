@@ -25,7 +25,7 @@ def test_save_load_round_trip_of_model_optimizer_ema(tmp_path):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     ema = EMA(m, 0.9)
     _train(m, opt)
-    ema.update(m)
+    ema.update()
     ck = Checkpointer(tmp_path)
     path = ck.save(3, m, opt, ema, {"loader": {"step": 3}, "ema_updates": ema.updates})
 

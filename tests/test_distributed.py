@@ -46,13 +46,16 @@ def _run(cfg, run_dir, steps_for_grads=1):
     from difftrain.train.trainer import Trainer
 
     tr = Trainer(cfg, run_dir, env=init_distributed(cfg))
-    init = {k: _full(p.detach()).clone() for k, p in tr.model.named_parameters()}
+    params = dict(tr.model.named_parameters())      # the sharded parameters, as the optimizer holds them
+    init = {k: _full(p.detach()).clone() for k, p in params.items()}
     grads, reductions = {}, []
     step = tr.optimizer.step
 
     def capture(*a, **kw):
         if tr.step < steps_for_grads:
-            grads.update({k: _full(p.grad).clone() for k, p in tr.model.named_parameters()})
+            missing = [k for k, p in params.items() if p.grad is None]
+            assert not missing, f"no gradient reached {missing[:3]}"
+            grads.update({k: _full(p.grad).clone() for k, p in params.items()})
         return step(*a, **kw)
 
     tr.optimizer.step = capture
@@ -135,6 +138,7 @@ def test_two_ranks_fsdp_ddp_cp_and_accumulation_match_one_rank(reference, tmp_pa
         "ddp": ["train.steps=4", "parallel.dp_replicate=2", "parallel.dp_shard=1"],
         "cp": ["train.steps=4", "parallel.dp_shard=1", "parallel.cp=2", "train.sample_every=4"],
         "accum": ["train.steps=4", "parallel.dp_shard=2", "train.micro_batch=2"],
+        "accum_every": ["train.steps=2", "parallel.dp_shard=2", "train.micro_batch=2", "parallel.grad_sync=every"],
     }
     got = _spawn(2, scenarios, tmp_path)
     ref = reference["plain"]
@@ -148,6 +152,9 @@ def test_two_ranks_fsdp_ddp_cp_and_accumulation_match_one_rank(reference, tmp_pa
     # one reduce-scatter per FSDP unit per step, not one per micro-batch
     units = got["fsdp"]["reductions"][0]
     assert units > 0 and acc["reductions"] == [units] * 4, (units, acc["reductions"])
+    every = got["accum_every"]        # grad_sync = every: one reduce-scatter per unit per micro-batch
+    _assert_same_training(every, {**reference["accum"], "losses": reference["accum"]["losses"][:2]}, "every")
+    assert every["reductions"] == [units * 2] * 2, every["reductions"]
     assert (tmp_path / "cp" / "samples" / "step_00000004.png").is_file()   # sampled on both ranks, cp off
     for name in scenarios:                   # the same initial model whatever the mesh
         for k, v in ref["init"].items():

@@ -118,16 +118,19 @@ def cmd_train(args) -> int:
     from difftrain.train.trainer import Trainer
 
     cfg = load_config(resolve_config(args.config), args.overrides)
+    clean = False
     try:
         env = init_distributed(cfg)
         if not env.is_main:                         # one voice in the logs: rank 0's
             logging.getLogger("difftrain").setLevel(logging.WARNING)
         trainer = Trainer(cfg, args.run_dir, env=env)
-        summary = run_training(cfg, args.run_dir, progress=not args.no_progress and env.is_main, trainer=trainer)
         if env.is_main:
-            print(json.dumps(summary))
+            print(json.dumps(run_training(cfg, args.run_dir, progress=not args.no_progress, trainer=trainer)))
+        else:
+            trainer.fit()
+        clean = True
     finally:
-        shutdown()
+        shutdown(clean)
     return 0
 
 

@@ -169,6 +169,11 @@ class ParallelConfig:
                    "'difftrain plan' says when it is needed", default="none")
     cpu_offload: bool = meta("keep sharded parameters, gradients and optimizer state in host memory "
                              "(FSDP2 CPUOffloadPolicy)", default=False)
+    grad_sync: str = meta("gradient accumulation: 'last' reduces gradients once, after the last micro-batch (least "
+                          "communication; every rank holds the whole model's unsharded fp32 gradients meanwhile); "
+                          "'every' reduce-scatters after each micro-batch and all-reduces across HSDP replicas only "
+                          "after the last (the memory of a step without accumulation)", choices=("last", "every"),
+                          default="last")
     timeout_minutes: float = meta("collective timeout after the first steps", gt=0, default=10.0)
     startup_timeout_minutes: float = meta("collective timeout for start-up and the first steps (compilation, "
                                           "checkpoint loading)", gt=0, default=30.0)

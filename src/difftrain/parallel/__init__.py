@@ -14,26 +14,29 @@ from difftrain.parallel.ac import apply_ac
 from difftrain.parallel.compile import compile_blocks
 from difftrain.parallel.cp import apply_cp
 from difftrain.parallel.dist import ParallelEnv
-from difftrain.parallel.fsdp import apply_fsdp
+from difftrain.parallel.fsdp import apply_fsdp, replicated_params
 
 log = logging.getLogger("difftrain.parallel")
 
 
-def parallelize(model: nn.ModuleDict, cfg: Config, env: ParallelEnv, param_dtype: torch.dtype | None) -> list:
-    """Wrap ``model`` ({"dit", "text"?}) in place for ``env``; returns the FSDP units (empty in a world of one)."""
+def parallelize(model: nn.ModuleDict, cfg: Config, env: ParallelEnv, param_dtype: torch.dtype | None
+                ) -> tuple[list, list]:
+    """Wrap ``model`` ({"dit", "text"?}) in place for ``env``. Returns the FSDP units and the replicated
+    trainable parameters whose gradients the trainer all-reduces (both empty in a world of one)."""
     dit = model["dit"]
     if env.cp > 1:
         apply_cp(dit, env.cp, env.cp_group)
     n_ac = apply_ac(dit, cfg.parallel.ac)
     n_compiled = compile_blocks(dit) if cfg.train.compile else 0
-    units = []
+    units, replicated = [], []
     mesh = env.fsdp_mesh()
     if mesh is not None:
         units = apply_fsdp(model, mesh, param_dtype, cpu_offload=cfg.parallel.cpu_offload)
+        replicated = replicated_params(model)
     if env.is_main:
         log.info("parallelize: cp %d, activation checkpointing %s (%d blocks), compiled %d blocks, %d FSDP units",
                  env.cp, cfg.parallel.ac, n_ac, n_compiled, len(units))
-    return units
+    return units, replicated
 
 
 __all__ = ["parallelize", "compile_blocks", "apply_ac", "apply_cp", "apply_fsdp"]

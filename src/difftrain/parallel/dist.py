@@ -163,6 +163,13 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """End the process group. After a clean run every rank first waits for the others (a rank tearing gloo
+    down while a peer still has a collective in flight can abort the job at exit); after an error it does
+    not wait, since a failed peer would never arrive."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if clean:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()

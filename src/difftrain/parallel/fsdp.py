@@ -2,8 +2,10 @@
 
 Wrapping order, as torchtitan's FLUX recipe: every double- and single-stream block is its own FSDP
 unit (its parameters are all-gathered just before it runs and freed after), then the DiT root (the
-embedders, the final layer), then a trainable text encoder. The ``ModuleDict`` holding them has no
-forward of its own, so it is never a unit.
+embedders, the final layer). A small trainable text encoder (the shapes world's) is not sharded: it is
+replicated and its gradients are summed with one all-reduce per step (``all_reduce_grads``). As an FSDP
+root of its own it would take token ids, which need no gradient, and some torch releases (2.11) then
+never run its post-backward reduction: its shards got no gradient at all.
 
 - ``dp_shard > 1``: ZeRO-3 full sharding over ``dp_shard x cp`` (context-parallel ranks hold
   different tokens of the same samples, so they share the gradient reduction and the shards);
@@ -32,25 +34,41 @@ def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules that become FSDP units, innermost first (the order ``apply_fsdp`` wraps them in)."""
     dit = model["dit"] if isinstance(model, nn.ModuleDict) else model
-    units = [*dit.double_blocks, *dit.single_blocks, dit]
+    return [*dit.double_blocks, *dit.single_blocks, dit]
+
+
+def replicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters outside the FSDP units (a jointly trained text encoder): kept whole on every
+    rank, their gradients summed by ``all_reduce_grads``."""
     if isinstance(model, nn.ModuleDict) and "text" in model:
-        units.append(model["text"])
-    return units
+        return [p for p in model["text"].parameters() if p.requires_grad]
+    return []
+
+
+def all_reduce_grads(params: list[nn.Parameter]) -> None:
+    """Sum the gradients of replicated parameters over all ranks in one flat all-reduce."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or not dist.is_initialized():
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
                cpu_offload: bool = False, reshard_after_forward: bool = True) -> list[FSDPModule]:
-    """Shard ``model`` (an ``MMDiT`` or ``{"dit", "text"?}`` ModuleDict) in place over ``mesh`` (1-D: FSDP;
-    2-D (replicate, shard): HSDP). Returns the FSDP units, innermost first."""
+    """Shard the DiT of ``model`` (an ``MMDiT`` or ``{"dit", "text"?}`` ModuleDict) in place over ``mesh``
+    (1-D: FSDP; 2-D (replicate, shard): HSDP). Returns the FSDP units, innermost first."""
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision(param_dtype),
               "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
     units = fsdp_units(model)
-    dit = model["dit"] if isinstance(model, nn.ModuleDict) else model
-    blocks = {id(b) for b in (*dit.double_blocks, *dit.single_blocks)}
     for unit in units:
-        # Roots (the DiT's embedders and head, the text encoder) are needed again at the start of backward:
-        # keep them gathered; blocks are freed after their forward (ZeRO-3).
-        fully_shard(unit, reshard_after_forward=reshard_after_forward and id(unit) in blocks, **kwargs)
+        # The root (the DiT's embedders and head) is needed again at the start of backward: keep it
+        # gathered; blocks are freed after their forward (ZeRO-3).
+        fully_shard(unit, reshard_after_forward=reshard_after_forward and unit is not units[-1], **kwargs)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL is zero-copy only for sum-type reductions.
@@ -58,10 +76,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     return units  # type: ignore[return-value]
 
 
-def set_gradient_sync(units: list[FSDPModule], enabled: bool) -> None:
-    """Gradient accumulation: skip the reduce-scatter on all micro-batches but the last."""
+def set_gradient_sync(units: list[FSDPModule], last_micro_batch: bool, mode: str = "last") -> None:
+    """Gradient accumulation. 'last': no reduction at all before the last micro-batch (unsharded gradients
+    accumulate on every rank); 'every': reduce-scatter each micro-batch, and only the cross-replica
+    all-reduce of HSDP waits for the last one."""
     for unit in units:
-        unit.set_requires_gradient_sync(enabled, recurse=False)
+        if mode == "last":
+            unit.set_requires_gradient_sync(last_micro_batch, recurse=False)
+        else:
+            unit.set_requires_gradient_sync(True, recurse=False)
+            unit.set_requires_all_reduce(last_micro_batch, recurse=False)
 
 
 def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -74,3 +98,32 @@ def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
         param.to_local().copy_(part.to_local())
     else:
         param.copy_(value)
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Clip gradients by their global norm over every rank and return that norm (before clipping).
+
+    Sharded (DTensor) and plain gradients are normed separately and combined, since torch releases differ
+    in whether ``clip_grad_norm_`` accepts a mix; the DTensor part reduces over the shards once (one
+    collective), and replicated dimensions (HSDP) are not counted twice."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    squares = []
+    if sharded:
+        norm = torch.nn.utils.get_total_norm(sharded, 2.0)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    if plain:
+        squares.append(torch.nn.utils.get_total_norm(plain, 2.0).float() ** 2)
+    if not squares:
+        return 0.0
+    total = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
+    if max_norm < float("inf"):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(local.device, local.dtype))
+    return float(total)

@@ -29,21 +29,23 @@ def _reshard(model: nn.Module) -> None:
 
 
 class EMA:
+    """Tracks the parameter objects it is built with. Under FSDP those are the sharded parameters (the
+    optimizer's); a module's ``named_parameters`` may name the gathered copies while a unit is unsharded."""
+
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
         self.updates = 0
-        self.shadow: dict[str, Tensor] = {
-            name: p.detach().float().clone() for name, p in model.named_parameters() if p.requires_grad}
+        self.params: dict[str, nn.Parameter] = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.shadow: dict[str, Tensor] = {n: p.detach().float().clone() for n, p in self.params.items()}
 
     def current_decay(self) -> float:
         return min(self.decay, (1 + self.updates) / (10 + self.updates))
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self) -> None:
         d = self.current_decay()
-        params = [p for name, p in model.named_parameters() if name in self.shadow]
-        shadows = [self.shadow[name] for name, p in model.named_parameters() if name in self.shadow]
-        torch._foreach_lerp_([_local(s) for s in shadows], [_local(p.detach()).float() for p in params], 1.0 - d)
+        shadows = [_local(self.shadow[n]) for n in self.params]
+        torch._foreach_lerp_(shadows, [_local(p.detach()).float() for p in self.params.values()], 1.0 - d)
         self.updates += 1
 
     @contextlib.contextmanager
@@ -52,18 +54,16 @@ class EMA:
         _reshard(model)
         backup = {}
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name in self.shadow:
-                    backup[name] = _local(p.detach()).clone()
-                    _local(p.detach()).copy_(_local(self.shadow[name]))
+            for name, p in self.params.items():
+                backup[name] = _local(p.detach()).clone()
+                _local(p.detach()).copy_(_local(self.shadow[name]))
         try:
             yield model
         finally:
-            _reshard(model)   # a forward in eval leaves FSDP roots gathered: swap back into the shards
+            _reshard(model)   # a forward in eval leaves FSDP roots gathered: back to the shards first
             with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if name in backup:
-                        _local(p.detach()).copy_(backup[name])
+                for name, p in self.params.items():
+                    _local(p.detach()).copy_(backup[name])
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.shadow)

@@ -34,7 +34,7 @@ from difftrain.parallel.compile import compile_count, use_compile_cache
 from difftrain.parallel.cp import cp_disabled, shard_sequence
 from difftrain.parallel.dist import ParallelEnv, all_reduce_sum, batch_split, init_distributed, set_collective_timeout
 from difftrain.parallel.flops import mfu, peak_flops, step_flops
-from difftrain.parallel.fsdp import set_gradient_sync, write_param
+from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.ema import EMA
 from difftrain.train.metrics import MetricsLogger
@@ -96,11 +96,14 @@ class Trainer:
         self.model = self._build_model(resume is None)
         self.dit = self.model["dit"]
         self.flow = FlowSpec.from_config(cfg.diffusion)
-        decay, no_decay = [], []
+        # Groups by weight decay, and sharded (DTensor) apart from replicated parameters: a foreach step
+        # over a mix of the two is not supported by every torch release.
+        groups: dict[tuple[bool, bool], list] = {}
         for name, p in self.model.named_parameters():
-            (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+            decays = p.ndim >= 2 and "embed" not in name
+            groups.setdefault((decays, any(p is q for q in self.replicated)), []).append(p)
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": ps, "weight_decay": tc.weight_decay if decays else 0.0} for (decays, _), ps in groups.items()],
             lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
 
@@ -138,7 +141,7 @@ class Trainer:
         model = nn.ModuleDict(modules)
         if cfg.train.compile and cfg.train.compile_cache != "off":
             use_compile_cache(cfg.train.compile_cache or self.run_dir / "compile_cache")
-        self.fsdp_units = parallelize(model, cfg, self.env, self.amp)
+        self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp)
         dit = model["dit"]
         dit.to_empty(device="cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
         with torch.no_grad():
@@ -221,13 +224,15 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         tokens = flops = 0.0
         for i, batch in enumerate(batches):
-            set_gradient_sync(self.fsdp_units, i == len(batches) - 1)
+            set_gradient_sync(self.fsdp_units, i == len(batches) - 1, self.cfg.parallel.grad_sync)
             loss, n_tok, n_flops = self._forward_loss(batch, n_targets)
             loss.backward()
             total += loss.detach()
             tokens, flops = tokens + n_tok, flops + n_flops
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or float("inf"))
-        gnorm = float(_full(gnorm))
+        all_reduce_grads(self.replicated)
+        # The optimizer's parameters are the sharded ones; a unit left gathered would name other tensors.
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        gnorm = clip_grad_norm(params, tc.grad_clip or float("inf"))
         loss_sum, tokens, flops = all_reduce_sum([float(total), tokens, flops], self.device)
         if not math.isfinite(loss_sum) or not math.isfinite(gnorm):
             raise FloatingPointError(f"step {self.step}: loss {loss_sum} / grad norm {gnorm} is not finite "
@@ -235,7 +240,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema.update(self.model)
+            self.ema.update()
         cp = self.env.cp
         return StepStats(loss_sum, gnorm, lr, int(tokens / cp), self.cfg.train.global_batch, flops / cp)
 
@@ -256,11 +261,12 @@ class Trainer:
         self.budget_fixed = self.step >= self.total_steps // 2
         log.info("time budget %.1f min: %.3f s/step -> %d steps", budget / 60, per_step, self.total_steps)
 
-    def _log(self, stats: StepStats, task: str, data_s: float, step_s: float) -> None:
+    def _log(self, stats: StepStats, batch: Batch, data_s: float, step_s: float) -> None:
         total_s = data_s + step_s
         graphs = compile_count()
         values = {"loss": stats.loss, "grad_norm": round(stats.grad_norm, 4), "lr": stats.lr,
-                  "task": task, "data_s": round(data_s, 4), "step_s": round(step_s, 4),
+                  "task": batch.task, "seq": [batch.x0_BLC.shape[1], max(v.shape[1] for v in batch.tokens.values())],
+                  "data_s": round(data_s, 4), "step_s": round(step_s, 4),
                   "samples_per_s": round(stats.samples / total_s, 2), "tokens_per_s": round(stats.tokens / total_s, 1),
                   "train_seconds": round(self.train_seconds, 2)}
         if self.peak:
@@ -296,7 +302,7 @@ class Trainer:
                 elif calib_from is not None and (self.step - calib_from) % 60 == 0:
                     self._fix_budget(self.step - calib_from, self.train_seconds - calib_at)
             if self.step % tc.log_every == 0 or self.step == self.total_steps:
-                self._log(stats, batches[0].task, t1 - t0, t2 - t1)
+                self._log(stats, batches[0], t1 - t0, t2 - t1)
             if on_step is not None:
                 on_step(self.step, self.total_steps, stats)
             if tc.sample_every and self.step % tc.sample_every == 0:

@@ -1,0 +1,143 @@
+"""GPU checks of the distributed-training issue, for one H200 (or any CUDA GPU), in a few minutes.
+
+Writes one JSON object (stdout and ``--out``):
+- ``matmul_tflops``: bf16 TFLOP/s of a large GEMM on this GPU: the practical ceiling;
+- ``mfu`` / ``step_s`` / ``tflops_per_gpu``: a training step (forward, backward, AdamW) of a ~2B-parameter MMDiT
+  at 1024² (4,096 image tokens + 512 text tokens per sample) in bf16 autocast with per-block torch.compile and
+  no activation checkpointing; MFU against the dense bf16 peak table (H100/H200 989 TFLOP/s), FLOPs from
+  ``parallel.flops`` (real tokens, matmuls + attention, forward + backward);
+- ``mfu_full_ac`` (and its step time, peak memory): the same with full activation checkpointing, to show the
+  trade-off the planner reports;
+- ``planner_error``: (planner estimate - ``torch.cuda.max_memory_allocated``) / measured for the no-AC run.
+
+Needs only torch (the GPU machine's preinstalled one) and ``PYTHONPATH=src``; no diffusers, no downloads.
+
+    PYTHONPATH=src python bench/gpu_suite.py [--out gpu_suite.json] [--batch 2] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+from difftrain.models import build_dit
+from difftrain.models.dit import DiTParams, image_ids, num_params
+from difftrain.parallel.ac import apply_ac
+from difftrain.parallel.compile import compile_blocks
+from difftrain.parallel.flops import peak_flops, step_flops
+
+# ~2B parameters, FLUX's head size and RoPE layout.
+PARAMS = DiTParams(in_channels=64, text_dim=4096, pooled_dim=768, hidden=2048, heads=16, double_blocks=8,
+                   single_blocks=16, axes_dims_rope=(16, 56, 56), guidance_embed=False)
+IMG, TXT = 4096, 512
+
+
+def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def batch(B: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    side = int(IMG ** 0.5)
+    return dict(img_BLC=torch.randn(B, IMG, PARAMS.in_channels, device="cuda", generator=g),
+                img_ids_BL3=image_ids(side, side, device="cuda")[None].expand(B, -1, -1),
+                txt_BTD=torch.randn(B, TXT, PARAMS.text_dim, device="cuda", generator=g),
+                t_B=torch.rand(B, device="cuda", generator=g),
+                pooled_BP=torch.randn(B, PARAMS.pooled_dim, device="cuda", generator=g))
+
+
+def train_run(ac: str, B: int, steps: int, warmup: int) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    dit = build_dit(PARAMS, device="cuda")
+    apply_ac(dit, ac)
+    compile_blocks(dit)
+    opt = torch.optim.AdamW(dit.parameters(), lr=1e-5, fused=True)
+    x = batch(B)
+    target = torch.randn(B, IMG, PARAMS.in_channels, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = dit(**x)
+        loss = (out.float() - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
+    flops = step_flops(PARAMS, [(IMG, TXT)] * B)
+    peak, source = peak_flops(torch.device("cuda"), torch.bfloat16)
+    result = {"ac": ac, "batch": B, "step_s": round(step_s, 4), "tflops_per_gpu": round(flops / step_s / 1e12, 1),
+              "mfu": round(flops / step_s / peak, 4), "peak": source, "warmup_with_compile_s": round(compile_s, 1),
+              "max_memory_allocated": torch.cuda.max_memory_allocated()}
+    del dit, opt, x
+    gc.collect()
+    torch._dynamo.reset()
+    return result
+
+
+def planner_error(B: int, measured_bytes: int) -> dict:
+    """The planner's per-GPU total for this model and shape on 1 GPU against the measured peak."""
+    from difftrain.parallel.planner import estimate_single_gpu
+
+    est = estimate_single_gpu(PARAMS, img_tokens=IMG, txt_tokens=TXT, micro_batch=B, ac="none")
+    return {"planner_estimate_gb": round(est / 2**30, 2), "planner_error": round((est - measured_bytes) / measured_bytes, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu_suite.json")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_suite needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "params": num_params(build_dit(PARAMS, device="meta")), "img_tokens": IMG, "txt_tokens": TXT}
+    out["matmul_tflops"] = round(matmul_tflops(), 1)
+    for name, ac in (("", "none"), ("_full_ac", "full")):
+        try:
+            r = train_run(ac, args.batch, args.steps, args.warmup)
+            out.update({f"{k}{name}": v for k, v in r.items() if k not in ("ac", "batch", "peak")})
+            out["peak"] = r["peak"]
+            if ac == "none":
+                try:
+                    out.update(planner_error(args.batch, r["max_memory_allocated"]))
+                except Exception as e:          # the planner must not cost the other figures
+                    out["planner_error"] = f"failed: {e!r}"
+        except Exception as e:
+            out[f"error{name}"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
+        print(json.dumps(out), file=sys.stderr, flush=True)   # partial results survive a timeout
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""The memory planner against the real thing: FSDP2's own shards of the 24B preset on a 64-rank fake process
+group (exact bytes), autograd's saved tensors of one block (exact bytes), and the peak of live tensor bytes
+of a real 2-rank gloo training step (within 20%); then the recommendation rule, the nothing-fits message,
+the JSON fields and input errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from difftrain.config import from_dict, load_config
+from difftrain.errors import UserError
+from difftrain.parallel.planner import Strategy, block_activation_bytes, estimate_single_gpu, plan
+
+
+def _preset(name: str) -> Path:
+    try:
+        from difftrain.config import preset_path
+        return preset_path(name)
+    except ImportError:      # presets before they moved into the package
+        return Path(__file__).resolve().parents[1] / "configs" / f"{name}.toml"
+
+
+@pytest.fixture(scope="module")
+def dit24b():
+    return load_config(_preset("dit-24b"))
+
+
+def _strategy(p, name: str) -> Strategy:
+    return next(s for s in p.strategies if s.name == name)
+
+
+# --- (1) exact per-rank state bytes against FSDP2 on a fake 64-rank process group --------------------------------
+
+_FAKE_PG = """
+import json, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from difftrain.config import load_config
+from difftrain.models import build_dit, config_dit_params
+from difftrain.parallel.fsdp import apply_fsdp
+
+def local(t):
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+cfg = load_config(sys.argv[1])
+out = {}
+for world, rank in ((64, 0), (64, 63), (48, 0), (48, 47)):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        model = build_dit(config_dit_params(cfg), device="meta")
+        apply_fsdp(model, init_device_mesh("cpu", (world,)), param_dtype=torch.bfloat16)
+        params = list(model.parameters())
+        for p in params:             # FSDP2's sharded gradient: a DTensor shaped like the sharded parameter
+            p.grad = torch.zeros_like(p)
+        # foreach=False: the same state as the trainer's foreach AdamW, built in 2 s instead of 60 on meta DTensors
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+        opt.step()
+        out[f"{world}/{rank}"] = {
+            "params": sum(local(p) for p in params), "grads": sum(local(p.grad) for p in params),
+            "optimizer": sum(local(v) for st in opt.state.values() for v in st.values()),
+            "dtypes": sorted({str(p.dtype) for p in params})}
+    finally:
+        dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_state_bytes_equal_fsdp2_shards_of_the_24b_preset(dit24b):
+    proc = subprocess.run([sys.executable, "-c", _FAKE_PG, str(_preset("dit-24b"))], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    for world in (64, 48):
+        ranks = [v for k, v in real.items() if k.startswith(f"{world}/")]
+        assert all(r["dtypes"] == ["torch.float32"] for r in ranks)   # fp32 master weights
+        est = _strategy(plan(dit24b, world, 141, nodes=world // 8), f"fsdp({world})").per_gpu_bytes
+        for part in ("params", "grads", "optimizer"):
+            largest = max(r[part] for r in ranks)
+            assert est[part] == largest == real[f"{world}/0"][part], (world, part, est[part], largest)
+    # 48 ranks split some first dims unevenly (64 output channels: 2 rows on ranks 0-31, none on 32-47)
+    assert real["48/47"]["params"] < real["48/0"]["params"]
+
+
+# --- the activation formula against autograd's saved tensors ---------------------------------------------------------
+
+def _saved_bytes(block, args, autocast: bool) -> int:
+    """Bytes of the distinct storages autograd saves in ``block``'s forward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            block(*args)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_block_activation_formula_equals_saved_tensors(monkeypatch, autocast):
+    import torch.nn.functional as F
+
+    from difftrain.models import layers
+    from difftrain.models.dit import image_ids
+    from difftrain.models.rope import rope_angles
+
+    if autocast:   # CUDA's autocast runs layer_norm in fp32 (CPU's keeps bf16): reproduce CUDA's policy
+        monkeypatch.setattr(layers, "_layer_norm", lambda x: F.layer_norm(x.float(), (x.shape[-1],), eps=1e-6))
+    D, heads, B, T, side = 128, 2, 2, 8, 6
+    dtype = torch.bfloat16 if autocast else torch.float32
+    ids = torch.cat([torch.zeros(T, 3, dtype=torch.long), image_ids(side, side)])[None].expand(B, -1, -1)
+    rope = rope_angles(ids, (16, 24, 24), 10000.0)
+    vec = torch.randn(B, D, dtype=dtype, requires_grad=True)
+    N = side * side
+    double = layers.DoubleStreamBlock(D, heads, 4.0).to(dtype)
+    single = layers.SingleStreamBlock(D, heads, 4.0).to(dtype)
+    x = lambda n: torch.randn(B, n, D, dtype=dtype, requires_grad=True)  # noqa: E731
+    shared = 2 * B * (N + T) * (D // heads // 2) * 4 + vec.numel() * vec.element_size()   # RoPE cos, sin; vec
+    for kind, block, args in (("double", double, (x(N), x(T), vec, rope)), ("single", single, (x(N + T), vec, rope))):
+        # CPU's rms_norm is the composite one; the planner assumes CUDA's fused kernel only on CUDA
+        est = block_activation_bytes(kind, D, 4 * D, heads, D // heads, N, T, autocast, rms_fused=False, samples=B)
+        assert est + shared == _saved_bytes(block, args, autocast), kind
+
+
+# --- (2) the planner's total against the peak of live tensors of a 2-rank FSDP2 step ----------------------------
+
+MEASURED = {"model": {"hidden": 512, "heads": 8, "double_blocks": 2, "single_blocks": 2,
+                      "axes_dims_rope": [16, 24, 24]},
+            "text": {"kind": "words", "dim": 64, "max_tokens": 16},
+            "autoencoder": {"kind": "pixel-unshuffle", "factor": 4},
+            "data": {"image_size": 64, "frames": 4},
+            "train": {"global_batch": 4, "micro_batch": 2, "ema_decay": 0.0}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _measure_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Two fp32 AdamW steps of the DiT under FSDP2 (gloo), without and with full AC; the peak of live tensor
+    bytes of the second step (the first creates the optimizer state)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from difftrain.models import build_dit, config_dit_params
+        from difftrain.models.dit import image_ids
+        from difftrain.parallel.ac import apply_ac
+        from difftrain.parallel.fsdp import apply_fsdp
+
+        cfg = from_dict(MEASURED)
+        p = config_dit_params(cfg)
+        B, frames, side, T = cfg.train.micro_batch, cfg.data.frames, 8, cfg.text.max_tokens  # keyframes
+        g = torch.Generator().manual_seed(rank)
+        img = torch.randn(B, frames * side * side, p.in_channels, generator=g)
+        ids = torch.cat([image_ids(side, side, index=k) for k in range(frames)])[None].expand(B, -1, -1)
+        batch = (img, ids, torch.randn(B, T, p.text_dim, generator=g), torch.rand(B, generator=g),
+                 torch.randn(B, p.pooled_dim, generator=g))
+        target = torch.randn(img.shape, generator=g)
+        peaks = {}
+        for ac in ("none", "full"):
+            model = build_dit(p, device="cpu")
+            apply_ac(model, ac)
+            apply_fsdp(model, init_device_mesh("cpu", (world,)))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+            def step() -> None:
+                loss = ((model(*batch).float() - target) ** 2).mean()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            step()
+            tracker = FSDPMemTracker(model, opt)
+            tracker.track_inputs((*batch, target))
+            with tracker:
+                step()
+            peaks[ac] = {str(k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+            del model, opt, tracker
+        if rank == 0:
+            Path(out).write_text(json.dumps(peaks))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_total_matches_measured_peak_of_a_2_rank_fsdp_step(tmp_path):
+    out = tmp_path / "peak.json"
+    mp.spawn(_measure_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    measured = json.loads(out.read_text())
+    for ac in ("none", "full"):
+        cfg = from_dict({**MEASURED, "parallel": {"ac": ac}})
+        b = plan(cfg, 2, 64, device="cpu").configured.per_gpu_bytes       # fsdp(2), as the config says
+        assert 2 * (b["params"] + b["grads"] + b["optimizer"]) >= 200e6   # params + grads + AdamW, both ranks
+        total, peak = b["total"], measured[ac]["Total"]
+        detail = {k.split(".")[-1]: round(v / 2 ** 20, 1) for k, v in measured[ac].items()}
+        msg = (f"ac={ac}: planner {total / 2 ** 20:.1f} MiB ({b['peak_phase']}) vs measured peak "
+               f"{peak / 2 ** 20:.1f} MiB ({(total - peak) / peak:+.1%}); measured at the peak: {detail}")
+        print(msg)
+        assert abs(total - peak) <= 0.2 * peak, msg
+
+
+def test_single_gpu_estimate_is_ordered():
+    """``bench/gpu_suite.py`` compares this with torch.cuda.max_memory_allocated on a GPU; here only its order."""
+    from difftrain.models import build_dit, num_params
+    from difftrain.models.dit import DiTParams
+
+    p = DiTParams(in_channels=64, text_dim=256, pooled_dim=64, hidden=256, heads=4, double_blocks=2,
+                  single_blocks=2, axes_dims_rope=(16, 24, 24))
+    none, full = (estimate_single_gpu(p, img_tokens=1024, txt_tokens=64, micro_batch=4, ac=ac)
+                  for ac in ("none", "full"))
+    assert 16 * num_params(build_dit(p, device="meta")) < full < none     # fp32 params, grads, AdamW: the floor
+
+
+# --- the recommendation and the report ----------------------------------------------------------------------------
+
+def test_24b_on_64_h200_shards_without_recomputation(dit24b):
+    p = plan(dit24b, 64, 141)
+    assert p.fits and sum(s.recommended for s in p.strategies) == 1
+    best = _strategy(p, p.recommended)
+    assert best.fits and best.recommended and best.base in ("fsdp", "hsdp") and best.ac == "none"
+    assert not best.cpu_offload
+    # the rule: no AC before AC, no offload before offload, then the fastest
+    assert best.rank_key() == min(s.rank_key() for s in p.strategies if s.fits)
+    assert min(s.step_time_cost["step_s"] for s in p.strategies if s.fits and s.ac == "none"
+               and not s.cpu_offload) == best.step_time_cost["step_s"]
+    ddp = _strategy(p, "ddp")              # 24.5B x 16 bytes of replicated state: nowhere near
+    assert not ddp.fits and ddp.per_gpu_bytes["params"] == 4 * p.to_json()["model_params"]
+    assert "Recommended: " + p.recommended in p.message and p.recommended in p.table()
+
+
+def test_nothing_fits_says_what_would(dit24b):
+    p = plan(dit24b, 1, 16)
+    assert not p.fits and p.recommended is None and not any(s.recommended or s.fits for s in p.strategies)
+    kinds = {s["kind"] for s in p.suggestions}
+    assert "gpu_mem" in kinds and "more_gpus" in kinds
+    assert p.message.startswith("Nothing fits") and "GB" in p.message
+    j = p.to_json()
+    assert j["fits"] is False and j["recommended"] is None and j["message"] == p.message
+    # where more GPUs help, the count the plan names is the first on which that strategy fits
+    sets = ["data.edit_weight=0", "data.keyframe_weight=0", "train.global_batch=256", "train.micro_batch=1"]
+    p = plan(load_config(_preset("flux-dev"), sets), 1, 17)
+    assert not p.fits
+    found = [s for s in p.suggestions if s["kind"] == "more_gpus" and s["min_gpus"]]
+    assert found and f">= {found[0]['min_gpus']} GPUs" in p.message
+    for s in found:
+        cfg = load_config(_preset("flux-dev"), sets + [f"parallel.cp={s['cp']}", f"parallel.ac={s['ac']}"])
+        n = s["min_gpus"]
+        at = plan(cfg, n, 17)
+        assert at.configured.per_gpu_bytes["total"] <= at.context["usable_bytes"], s
+        below = plan(cfg, n - (8 if n > 8 else s["cp"]), 17)
+        assert below.configured.per_gpu_bytes["total"] > below.context["usable_bytes"], s
+
+
+def test_json_has_the_fields_the_cli_prints(dit24b):
+    j = json.loads(json.dumps(plan(dit24b, 16, 141, nodes=2).to_json()))     # plain JSON types
+    assert {"strategies", "recommended", "fits", "message", "assumptions", "suggestions"} <= set(j)
+    assert {"peak_flops", "mfu", "nvlink_bytes_per_s", "ib_bytes_per_s"} <= set(j["assumptions"])
+    names = [s["name"] for s in j["strategies"]]
+    assert len(names) == len(set(names)) and any(n.startswith("hsdp(8)") for n in names)
+    assert sum(s["recommended"] for s in j["strategies"]) == 1
+    for s in j["strategies"]:
+        assert {"name", "fits", "per_gpu_bytes", "step_time_cost", "recommended", "settings"} <= set(s)
+        b = s["per_gpu_bytes"]
+        assert {"params", "grads", "optimizer", "activations", "encoders", "buffers", "total"} <= set(b)
+        parts = sum(b[k] for k in ("params", "grads", "optimizer", "ema", "activations", "encoders", "buffers"))
+        assert 0 < b["total"] <= parts
+        assert {"compute_s", "recompute_s", "comm_s", "extra_s", "extra_fraction", "step_s"} <= set(s["step_time_cost"])
+        assert s["step_time_cost"]["extra_s"] >= 0
+        if s["ac"] == "full":
+            assert s["step_time_cost"]["recompute_s"] == pytest.approx(s["step_time_cost"]["compute_s"] / 3)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"gpus": 0, "gpu_mem_gb": 80}, "--gpus"),
+    ({"gpus": 8, "gpu_mem_gb": 0}, "--gpu-mem"),
+    ({"gpus": 8, "gpu_mem_gb": -80}, "--gpu-mem"),
+    ({"gpus": 12, "gpu_mem_gb": 80, "nodes": 5}, "not divisible by --nodes"),
+    ({"gpus": 12, "gpu_mem_gb": 80}, "give --nodes"),
+    ({"gpus": 8, "gpu_mem_gb": 80, "nodes": 0}, "--nodes"),
+])
+def test_bad_input_is_a_user_error(kwargs, words):
+    with pytest.raises(UserError, match=words):
+        plan(load_config(None), **kwargs)
