@@ -10,7 +10,7 @@ per rank). Prints one JSON object:
 - ``compile_cache_warm_speedup``: the compiled run's first-step time (where compilation happens) with a cold
   cache over the same with the cache the first run left (a restarted job), fresh processes both.
 
-    python bench/scale_cpu.py [--steps 40] [--config shapes-tiny]
+    python bench/scale_cpu.py [--steps 40] [--config shapes-tiny] [--set train.global_batch=128 ...]
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--compile-steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the means")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="config override for every run")
     args = ap.parse_args()
+    SETS.extend(args.sets)
     root = Path(tempfile.mkdtemp(prefix="scale_cpu_"))
     steps = [f"train.steps={args.steps}"]
     one, _ = run(args.config, root / "one", steps)
@@ -83,7 +85,8 @@ def main() -> None:
         "compile_first_step_cold_s": round(first(cold), 2), "compile_first_step_warm_s": round(first(warm), 2),
         "compile_cache_warm_speedup": round(first(cold) / first(warm), 2),
         "compile_run_wall_cold_s": round(cold_wall, 1), "compile_run_wall_warm_s": round(warm_wall, 1),
-        "config": args.config, "steps": args.steps, "global_batch_note": "same global batch on 1 and 2 ranks",
+        "config": args.config, "overrides": args.sets, "steps": args.steps,
+        "global_batch_note": "same global batch on 1 and 2 ranks",
         "threads_per_rank": 1, "cpu_count": os.cpu_count(),
     }
     print(json.dumps(out))

@@ -82,3 +82,24 @@ def test_config_show_reports_user_error_in_one_line(capsys):
     assert main(["config", "show", "flux-dev", "--set", "train.lr=-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "train.lr" in err[0]
+
+
+def test_presets_ship_inside_a_non_editable_install(tmp_path):
+    """A wheel carries the presets, and the installed package finds them by name (not via the source tree)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "w"), str(root)],
+                   check=True, capture_output=True)
+    (wheel,) = (tmp_path / "w").glob("difftrain-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    code = ("import difftrain.config as c; from difftrain.config import load_config, preset_path; "
+            "print(c.__file__); [print(preset_path(n)) for n in ('shapes-tiny', 'flux-dev', 'dit-24b')]; "
+            "load_config(preset_path('flux-dev'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, check=True).stdout.split()
+    assert all(line.startswith(str(site)) for line in out), out

@@ -70,6 +70,7 @@ def test_config_refuses_bad_parallel_settings():
     ("parallel.backend=nccl", "needs CUDA GPUs"),
     ("parallel.dp_replicate=2", "does not divide the world size 1"),
     ("train.global_batch=0", "train.global_batch = 0"),
+    ("parallel.cpu_offload=true", "this run has no GPU"),
 ])
 def test_train_refuses_bad_launches_before_any_work(tiny_cfg, tmp_path, capsys, bad, message):
     cfg = tmp_path / "c.toml"
@@ -186,3 +187,19 @@ def test_sample_shift_is_read(tiny_cfg, tmp_path, capsys, monkeypatch):
         capsys.readouterr()
     tokens = (32 // 4 // 2) ** 2                    # tiny: 32 px images, factor 4, 2x2 patches
     assert used == pytest.approx([1.0, 3.0, math.exp(flux_mu(tokens))])
+
+
+def test_plan_verb_prints_strategies_and_fails_when_nothing_fits(capsys):
+    assert main(["plan", "dit-24b", "--gpus", "64", "--gpu-mem", "141", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = [s["name"] for s in out["strategies"]]
+    assert any(n.startswith("ddp") for n in names) and any(n.startswith("fsdp") for n in names)
+    assert any(n.startswith("hsdp") for n in names)                       # 8 nodes: shard within one
+    for s in out["strategies"]:
+        assert {"name", "fits", "per_gpu_bytes", "recommended"} <= set(s)
+        assert {"params", "grads", "optimizer", "activations", "encoders", "total"} <= set(s["per_gpu_bytes"])
+    assert sum(s["recommended"] for s in out["strategies"]) == 1
+    assert main(["plan", "dit-24b", "--gpus", "1", "--gpu-mem", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "Nothing fits" in err and "What would fit" in err
+    assert main(["plan", "dit-24b", "--gpus", "0", "--gpu-mem", "16"]) == 2

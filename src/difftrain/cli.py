@@ -76,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw another prompt set and other noise (default: eval.seed and sample.seed)")
     p.add_argument("--grid", default=None, help="also write a PNG grid of the generated samples here")
 
+    p = sub.add_parser("plan", help="memory per GPU of each parallel strategy, which fit, the recommendation",
+                       description="Estimate per-GPU memory (parameters, gradients, optimizer state, activations, "
+                                   "encoders, buffers) and step-time cost of DDP / FSDP / HSDP, each with and "
+                                   "without CPU offload and activation checkpointing (and context parallelism "
+                                   "where the sequence needs it); recommend the fastest that fits, sharding "
+                                   "before recomputation. Exits 2 when nothing fits, saying what would.")
+    p.add_argument("config", help="config path or preset name")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--gpu-mem", type=float, required=True, metavar="GB", help="memory per GPU (GiB)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: GPUs / 8)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_set(p)
+
     p = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
     csub = p.add_subparsers(dest="config_verb", required=True, metavar="ACTION")
     show = csub.add_parser("show", help="print the resolved config and the model's parameter count")
@@ -106,6 +119,17 @@ def cmd_config(args) -> int:
         print(json.dumps({**to_dict(cfg), "num_params": n}, indent=1))
     else:
         print(to_toml(cfg) + f"# model parameters (DiT): {n:,} ({n / 1e9:.2f}B)")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from difftrain.config import load_config
+    from difftrain.parallel.planner import plan
+
+    cfg = load_config(resolve_config(args.config), args.overrides)
+    result = plan(cfg, args.gpus, args.gpu_mem, args.nodes)
+    print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
+    result.require_fit()      # nothing fits: the table is printed, then one error line and exit 2
     return 0
 
 
@@ -210,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         warnings.showwarning = _short_warnings
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    verbs = {"config": cmd_config, "train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo}
+    verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo}
     try:
         return verbs[args.verb](args)
     except UserError as e:

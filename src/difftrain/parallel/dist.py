@@ -133,6 +133,9 @@ def init_distributed(cfg: Config) -> ParallelEnv:
     has_cuda = torch.cuda.is_available()
     backend = pick_backend(par.backend, has_cuda)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if par.cpu_offload and device.type != "cuda":
+        raise UserError("parallel.cpu_offload = true moves sharded state from GPU memory to host memory; this run "
+                        "has no GPU (its state is in host memory already): set parallel.cpu_offload = false")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world == 1:
