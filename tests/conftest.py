@@ -20,3 +20,19 @@ def tiny_cfg():
     def make(*overrides):
         return load_config(None, TINY + list(overrides))
     return make
+
+
+def run_diffusers_flux(model, x, ids, txt, pooled, t, guidance):
+    """diffusers FluxTransformer2DModel on (B, L, C) tokens; it multiplies timestep and guidance by 1000
+    itself, as ours does."""
+    with torch.no_grad():
+        return model(hidden_states=x, encoder_hidden_states=txt, pooled_projections=pooled, timestep=t,
+                     img_ids=ids.float(), txt_ids=torch.zeros(txt.shape[1], 3), guidance=guidance,
+                     return_dict=False)[0]
+
+
+def run_ours_flux(model, x, ids, txt, pooled, t, guidance):
+    B = x.shape[0]
+    with torch.no_grad():
+        return model(x, ids.expand(B, -1, -1), txt, t, pooled, guidance,
+                     txt_ids_BT3=torch.zeros(B, txt.shape[1], 3, dtype=ids.dtype))

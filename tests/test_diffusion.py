@@ -16,15 +16,6 @@ from difftrain.train.ema import EMA
 from difftrain.train.schedule import lr_at
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threading only adds overhead (a lot of it on a shared, loaded CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

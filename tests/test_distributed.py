@@ -139,6 +139,8 @@ def test_two_ranks_fsdp_ddp_cp_and_accumulation_match_one_rank(reference, tmp_pa
         "cp": ["train.steps=4", "parallel.dp_shard=1", "parallel.cp=2", "train.sample_every=4"],
         "accum": ["train.steps=4", "parallel.dp_shard=2", "train.micro_batch=2"],
         "accum_every": ["train.steps=2", "parallel.dp_shard=2", "train.micro_batch=2", "parallel.grad_sync=every"],
+        "ac_full": ["train.steps=2", "parallel.dp_shard=2", "parallel.ac=full"],
+        "ac_selective": ["train.steps=2", "parallel.dp_shard=2", "parallel.ac=selective"],
     }
     got = _spawn(2, scenarios, tmp_path)
     ref = reference["plain"]
@@ -146,6 +148,8 @@ def test_two_ranks_fsdp_ddp_cp_and_accumulation_match_one_rank(reference, tmp_pa
     short = {**ref, "losses": ref["losses"][:4]}
     _assert_same_training(got["ddp"], short, "ddp")
     _assert_same_training(got["cp"], short, "cp")
+    for name in ("ac_full", "ac_selective"):        # recomputation inside FSDP units changes nothing
+        _assert_same_training(got[name], {**ref, "losses": ref["losses"][:2]}, name)
     acc = got["accum"]
     _assert_same_training(acc, {**reference["accum"], "losses": reference["accum"]["losses"][:4]}, "accum")
     assert acc["accum"] == 2

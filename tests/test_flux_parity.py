@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from difftrain.models.dit import DiTParams, MMDiT, image_ids
+
+from conftest import run_diffusers_flux, run_ours_flux
 from difftrain.models.flux_adapter import (diffusers_config, from_diffusers, params_from_diffusers_config,
                                            to_diffusers)
 
@@ -20,13 +22,6 @@ from diffusers import FluxTransformer2DModel  # noqa: E402
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threading only adds overhead (a lot of it on a shared, loaded CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 CONFIGS = [
     # (num_layers, num_single_layers, heads, head_dim, axes_dims_rope, guidance_embeds, in_channels)
@@ -85,27 +80,13 @@ def _inputs(cfg: dict, B: int, kontext: bool, seed: int):
     return x, ids, txt, pooled, t, guidance
 
 
-def _run_diffusers(model, x, ids, txt, pooled, t, guidance):
-    with torch.no_grad():
-        return model(hidden_states=x, encoder_hidden_states=txt, pooled_projections=pooled, timestep=t,
-                     img_ids=ids.float(), txt_ids=torch.zeros(txt.shape[1], 3), guidance=guidance,
-                     return_dict=False)[0]
-
-
-def _run_ours(model, x, ids, txt, pooled, t, guidance):
-    B = x.shape[0]
-    with torch.no_grad():
-        return model(x, ids.expand(B, -1, -1), txt, t, pooled, guidance,
-                     txt_ids_BT3=torch.zeros(B, txt.shape[1], 3, dtype=ids.dtype))
-
-
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_forward_parity(cfg):
     ref = _diffusers_model(cfg, seed=0)
     ours, _ = _ours_from(ref)
     for B, kontext in ((1, False), (3, True), (2, True)):
         inp = _inputs(cfg, B, kontext, seed=10 + B)
-        want, got = _run_diffusers(ref, *inp), _run_ours(ours, *inp)
+        want, got = run_diffusers_flux(ref, *inp), run_ours_flux(ours, *inp)
         assert got.shape == want.shape == inp[0].shape
         assert want.abs().max() > 1e-2, "reference output is ~0: the comparison would prove nothing"
         assert (got - want).abs().max().item() <= TOL, (B, kontext)
@@ -116,11 +97,11 @@ def test_parity_is_sensitive_to_positions_and_time(cfg):
     """Guards against a vacuous parity: the inputs the comparison relies on do move the output."""
     ref = _diffusers_model(cfg, seed=1)
     x, ids, txt, pooled, t, g = _inputs(cfg, 2, True, seed=5)
-    base = _run_diffusers(ref, x, ids, txt, pooled, t, g)
+    base = run_diffusers_flux(ref, x, ids, txt, pooled, t, g)
     swapped = ids.clone()
     swapped[:, 1:] = ids[:, [2, 1]]                                   # transpose rows and columns
-    assert (_run_diffusers(ref, x, swapped, txt, pooled, t, g) - base).abs().max() > 10 * TOL
-    assert (_run_diffusers(ref, x, ids, txt, pooled, t * 0.5, g) - base).abs().max() > 10 * TOL
+    assert (run_diffusers_flux(ref, x, swapped, txt, pooled, t, g) - base).abs().max() > 10 * TOL
+    assert (run_diffusers_flux(ref, x, ids, txt, pooled, t * 0.5, g) - base).abs().max() > 10 * TOL
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -147,14 +128,14 @@ def test_exported_weights_load_into_diffusers(cfg):
     _randomise(ours, seed=4)
     fresh = _diffusers_model(cfg, seed=5)
     fresh.load_state_dict(to_diffusers(ours.state_dict(), p), strict=True)
-    want = _run_ours(ours, *inp)
+    want = run_ours_flux(ours, *inp)
     assert want.abs().max() > 1e-2
-    assert (_run_diffusers(fresh, *inp) - want).abs().max().item() <= TOL
+    assert (run_diffusers_flux(fresh, *inp) - want).abs().max().item() <= TOL
 
     loaded, _ = _ours_from(ref)
     fresh2 = _diffusers_model(cfg, seed=6)
     fresh2.load_state_dict(to_diffusers(loaded.state_dict(), p), strict=True)
-    torch.testing.assert_close(_run_diffusers(fresh2, *inp), _run_diffusers(ref, *inp), rtol=0, atol=0)
+    torch.testing.assert_close(run_diffusers_flux(fresh2, *inp), run_diffusers_flux(ref, *inp), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2]])

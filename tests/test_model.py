@@ -22,15 +22,6 @@ P = DiTParams(in_channels=16, text_dim=12, pooled_dim=10, hidden=32, heads=2, do
               axes_dims_rope=AXES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threading only adds overhead (a lot of it on a shared, loaded CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _model(init: str = "default", seed: int = 0, p: DiTParams = P) -> MMDiT:
     return build_dit(p, init, seed=seed).eval()
 

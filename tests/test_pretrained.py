@@ -22,6 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import run_diffusers_flux, run_ours_flux
+
 from difftrain.errors import UserError
 from difftrain.models import build_dit
 from difftrain.models.dit import image_ids
@@ -41,14 +43,6 @@ MODELS = {
     "plain": dict(BASE, guidance_embeds=False, in_channels=13),
 }
 TXT_LEN = 5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @torch.no_grad()
@@ -93,20 +87,6 @@ def _inputs(in_channels: int, guidance: bool, seed: int = 7):
             3.5 + torch.rand(B, generator=g) if guidance else None)
 
 
-def _run_diffusers(model, x, ids, txt, pooled, t, guidance):
-    with torch.no_grad():   # diffusers multiplies timestep and guidance by 1000 itself, as ours does
-        return model(hidden_states=x, encoder_hidden_states=txt, pooled_projections=pooled, timestep=t,
-                     img_ids=ids.float(), txt_ids=torch.zeros(txt.shape[1], 3), guidance=guidance,
-                     return_dict=False)[0]
-
-
-def _run_ours(model, x, ids, txt, pooled, t, guidance):
-    B = x.shape[0]
-    with torch.no_grad():
-        return model(x, ids.expand(B, -1, -1), txt, t, pooled, guidance,
-                     txt_ids_BT3=torch.zeros(B, txt.shape[1], 3, dtype=ids.dtype))
-
-
 # --- 1. one process ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(MODELS))
 def test_diffusers_sharded_loads_with_forward_parity(flux, name):
@@ -123,7 +103,7 @@ def test_diffusers_sharded_loads_with_forward_parity(flux, name):
     for k in want:
         assert torch.equal(got[k], want[k]), k
     inp = _inputs(p.in_channels, p.guidance_embed)
-    ref_out, out = _run_diffusers(ref, *inp), _run_ours(dit, *inp)
+    ref_out, out = run_diffusers_flux(ref, *inp), run_ours_flux(dit, *inp)
     assert ref_out.abs().max() > 1e-2
     assert (out - ref_out).abs().max().item() <= TOL
 
@@ -147,7 +127,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out: str) -> None:
             report = load_pretrained(dit, path)
             report["local_rows"] = {k: v.to_local().shape[0] for k, v in dit.named_parameters()}
             full = {k: v.full_tensor().contiguous() for k, v in dit.named_parameters()}   # collective
-            y = _run_ours(dit.eval(), *_inputs(params.in_channels, params.guidance_embed))  # every rank
+            y = run_ours_flux(dit.eval(), *_inputs(params.in_channels, params.guidance_embed))  # every rank
             Path(out, f"{name}.{rank}.json").write_text(json.dumps(report))
             if rank == 0:
                 save_file(dict(full, __out__=y.contiguous()), str(Path(out, f"{name}.safetensors")))
@@ -181,7 +161,7 @@ def test_fsdp_ranks_read_only_their_rows(flux, tmp_path):
             load_pretrained(single, path)
             want = single.state_dict()
             ref = flux[name][2]
-            ref_out = _run_diffusers(ref, *_inputs(p.in_channels, p.guidance_embed))
+            ref_out = run_diffusers_flux(ref, *_inputs(p.in_channels, p.guidance_embed))
             assert (y - ref_out).abs().max().item() <= TOL, name
         assert set(got) == set(want)
         for k in want:
