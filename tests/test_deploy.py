@@ -23,7 +23,10 @@ from unittest import mock
 import pytest
 
 from difftrain.cli import build_parser, resolve_config
+from difftrain.config import load_config
 from difftrain.config.load import parse_override
+from difftrain.errors import UserError
+from difftrain.parallel.dist import resolve_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "deploy" / "slurm" / "train.sbatch"
@@ -67,20 +70,21 @@ def _check_exact_options(tokens: list[str], known: set[str], what: str) -> None:
             assert name in known, f"{what}: {tok!r} is not an exact option name"
 
 
-def _mesh_fits(overrides: dict[str, object], world: int) -> bool:
-    """The given parallel.* degrees (at most one -1 = the rest) fit a world of ``world`` ranks."""
-    degrees = [overrides[k] for k in ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp")
-               if k in overrides]
-    if not degrees:
-        return True
-    if degrees.count(-1) > 1 or any(d != -1 and d < 1 for d in degrees):
+def _mesh_fits(config: Path, sets: list[str], world: int) -> bool:
+    """The config's parallel.* sizes, with the command's --set items, resolve on a world of ``world`` ranks
+    (the same check ``difftrain train`` makes before it allocates anything)."""
+    try:
+        par = load_config(config, sets).parallel
+        resolve_mesh({"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "cp": par.cp}, world)
+    except UserError:
         return False
-    known = 1
-    for d in degrees:
-        known *= d if d != -1 else 1
-    if -1 in degrees or len(degrees) < 3:     # the rest (or unnamed degrees) take the remainder
-        return world % known == 0
-    return known == world
+    return True
+
+
+def node_group(launch) -> int:
+    """GPUs in one shard group (dp_shard x cp) of the launched config."""
+    par = load_config(launch.config, list(launch.train.overrides)).parallel
+    return par.dp_shard * par.cp
 
 
 def check_torchrun_command(argv: list[str], env: dict[str, str] | None = None) -> Launch:
@@ -135,7 +139,7 @@ def check_torchrun_command(argv: list[str], env: dict[str, str] | None = None) -
 
     for nodes in range(launch.min_nodes, launch.max_nodes + 1):
         world = nodes * launch.nproc_per_node
-        assert _mesh_fits(overrides, world), (
+        assert _mesh_fits(config, list(train.overrides), world), (
             f"parallel degrees {overrides} do not fit {nodes} nodes x {launch.nproc_per_node} = {world} ranks")
     return Launch(prefix, ns, launch, train, config, overrides)
 
@@ -223,7 +227,8 @@ def test_sbatch_launch_defaults(tmp_path):
     assert got.train.config == "dit-24b" and got.config.name == "dit-24b.toml"
     assert got.train.run_dir == str(tmp_path / "runs" / f"{env['SLURM_JOB_NAME']}-4242")
     assert got.train.no_progress
-    assert got.overrides == {"parallel.dp_replicate": nodes, "parallel.dp_shard": gpus}
+    assert got.overrides == {"parallel.dp_replicate": nodes}      # the split within a node is the preset's
+    assert node_group(got) == gpus
     assert Path(got.train.run_dir).is_dir()
     # What the workers inherit: their share of the cores, and the NCCL flight recorder dumping
     # into the run directory.
@@ -237,13 +242,14 @@ def test_sbatch_launch_env_and_extra_args(tmp_path):
     argv, env = run_sbatch(SBATCH, tmp_path,
                            env={"CONFIG": "flux-dev", "RUN_DIR": str(run_dir), "GPUS_PER_NODE": "4",
                                 "RDZV_PORT": "29611", "MAX_RESTARTS": "0"},
-                           args=("--set", "train.global_batch=512", "--set", "parallel.backend=nccl"))
+                           args=("--set", "train.global_batch=512", "--set", "parallel.backend=nccl",
+                                 "--set", "parallel.cp=1"))
     got = check_torchrun_command(argv, env)
     assert got.launch.nproc_per_node == 4
     assert got.torchrun.rdzv_endpoint == "gpu001:29611"
     assert got.torchrun.max_restarts == 0
     assert got.train.config == "flux-dev" and got.train.run_dir == str(run_dir)
-    assert got.overrides["parallel.dp_shard"] == 4
+    assert node_group(got) == 4                  # flux-dev's dp_shard 4 x cp 1 on 4-GPU nodes
     assert got.overrides["train.global_batch"] == 512
     assert got.overrides["parallel.backend"] == "nccl"
 
@@ -322,7 +328,7 @@ def test_pytorchjob_launch(job):
     assert got.torchrun.rdzv_endpoint == f"{job['metadata']['name']}-worker-0:29500"
     gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
     assert got.launch.nproc_per_node == gpus
-    assert got.overrides["parallel.dp_shard"] == gpus
+    assert node_group(got) == gpus               # shard within a pod, replicate across pods
     assert got.train.config == "dit-24b" and got.train.no_progress
     # The NCCL flight recorder dumps into the run directory.
     env = pod_env(job, container)

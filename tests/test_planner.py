@@ -1,7 +1,8 @@
 """The memory planner against the real thing: FSDP2's own shards of the 24B preset on a 64-rank fake process
 group (exact bytes), autograd's saved tensors of one block (exact bytes), and the peak of live tensor bytes
-of a real 2-rank gloo training step (within 20%); then the recommendation rule, the nothing-fits message,
-the JSON fields and input errors."""
+of the real Trainer's step on 2 gloo ranks (within 20%), with and without gradient accumulation under both
+``parallel.grad_sync`` settings; then the per-strategy grad_sync choice, the recommendation rule, the
+nothing-fits message, the JSON fields and input errors."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 
 from difftrain.config import from_dict, load_config
 from difftrain.errors import UserError
-from difftrain.parallel.planner import Strategy, block_activation_bytes, estimate_single_gpu, plan
+from difftrain.parallel.planner import Assumptions, Strategy, block_activation_bytes, estimate_single_gpu, plan
 
 
 def _preset(name: str) -> Path:
@@ -136,14 +137,25 @@ def test_block_activation_formula_equals_saved_tensors(monkeypatch, autocast):
         assert est + shared == _saved_bytes(block, args, autocast), kind
 
 
-# --- (2) the planner's total against the peak of live tensors of a 2-rank FSDP2 step ----------------------------
+# --- (2) the planner's total against the peak of live tensors of a 2-rank training step -------------------------
 
 MEASURED = {"model": {"hidden": 512, "heads": 8, "double_blocks": 2, "single_blocks": 2,
                       "axes_dims_rope": [16, 24, 24]},
             "text": {"kind": "words", "dim": 64, "max_tokens": 16},
             "autoencoder": {"kind": "pixel-unshuffle", "factor": 4},
-            "data": {"image_size": 64, "frames": 4},
-            "train": {"global_batch": 4, "micro_batch": 2, "ema_decay": 0.0}}
+            "data": {"image_size": 64, "frames": 4, "t2i_weight": 0.0, "edit_weight": 0.0, "keyframe_weight": 1.0},
+            "train": {"global_batch": 8, "micro_batch": 2, "ema_decay": 0.99, "threads": 1}}
+# on 2 ranks: "none" / "full" one micro-batch a step; the others 2 micro-batches (accumulation)
+CASES = {"none": {"train": {"global_batch": 4}}, "full": {"train": {"global_batch": 4}, "parallel": {"ac": "full"}},
+         "last": {"parallel": {"grad_sync": "last"}}, "every": {"parallel": {"grad_sync": "every"}},
+         "last-bf16": {"parallel": {"grad_sync": "last"}, "train": {"precision": "bf16"}}}
+
+
+def _measured_cfg(case: str):
+    def merge(a: dict, b: dict) -> dict:
+        return {**a, **{k: merge(a.get(k, {}), v) if isinstance(v, dict) else v for k, v in b.items()}}
+
+    return from_dict(merge(MEASURED, CASES[case]))
 
 
 def _free_port() -> int:
@@ -152,71 +164,112 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _measure_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Two fp32 AdamW steps of the DiT under FSDP2 (gloo), without and with full AC; the peak of live tensor
-    bytes of the second step (the first creates the optimizer state)."""
+def _held_unsharded_grads(units) -> dict:
+    """Unsharded gradients the FSDP units hold (accumulated over micro-batches without a reduction)."""
+    n, dtypes = 0, set()
+    for unit in units:
+        for fp in unit._get_fsdp_state()._fsdp_param_group.fsdp_params:
+            g = getattr(fp, "unsharded_accumulated_grad", None)
+            if g is None and hasattr(fp, "_unsharded_param"):
+                g = fp._unsharded_param.grad
+            if g is not None:
+                n, dtypes = n + g.numel() * g.element_size(), dtypes | {str(g.dtype)}
+    return {"bytes": n, "dtypes": sorted(dtypes)}
+
+
+def _trainer_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Per case, the real Trainer on 2 gloo ranks: one step (creates the optimizer state), then the peak of
+    live tensor bytes of the next ``train_step`` under FSDPMemTracker, and what the units hold between its
+    micro-batches."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from difftrain.parallel.dist import init_distributed, shutdown
+    from difftrain.train.trainer import Trainer
+
+    env, results = None, {}
     try:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-        from torch.distributed.device_mesh import init_device_mesh
+        for case in CASES:
+            cfg = _measured_cfg(case)
+            env = env or init_distributed(cfg)
+            trainer = Trainer(cfg, Path(out) / case, env=env, progress=False)
+            trainer.train_step(next(trainer.loader))
+            batches = next(trainer.loader)
+            tracker = FSDPMemTracker(trainer.dit, trainer.optimizer)
+            # what lives before the step and the tracker does not find itself: the batch, the EMA, the
+            # replicated text encoder's parameters
+            local = [t.to_local() if hasattr(t, "to_local") else t for t in trainer.ema.shadow.values()]
+            tracker.track_inputs((*[t for b in batches for t in (b.x0_BLC, b.ids_BL3, b.loss_mask_BL,
+                                                                 *b.tokens.values())],
+                                  *local, *trainer.model["text"].parameters()))
+            held, forward_loss = [], trainer._forward_loss
 
-        from difftrain.models import build_dit, config_dit_params
-        from difftrain.models.dit import image_ids
-        from difftrain.parallel.ac import apply_ac
-        from difftrain.parallel.fsdp import apply_fsdp
+            def micro_batch(*args, forward_loss=forward_loss, held=held, tracker=tracker, trainer=trainer):
+                held.append(_held_unsharded_grads(trainer.fsdp_units))
+                tracker.reset_mod_stats()       # else the tracker refuses the root's second forward in a step
+                return forward_loss(*args)
 
-        cfg = from_dict(MEASURED)
-        p = config_dit_params(cfg)
-        B, frames, side, T = cfg.train.micro_batch, cfg.data.frames, 8, cfg.text.max_tokens  # keyframes
-        g = torch.Generator().manual_seed(rank)
-        img = torch.randn(B, frames * side * side, p.in_channels, generator=g)
-        ids = torch.cat([image_ids(side, side, index=k) for k in range(frames)])[None].expand(B, -1, -1)
-        batch = (img, ids, torch.randn(B, T, p.text_dim, generator=g), torch.rand(B, generator=g),
-                 torch.randn(B, p.pooled_dim, generator=g))
-        target = torch.randn(img.shape, generator=g)
-        peaks = {}
-        for ac in ("none", "full"):
-            model = build_dit(p, device="cpu")
-            apply_ac(model, ac)
-            apply_fsdp(model, init_device_mesh("cpu", (world,)))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-            def step() -> None:
-                loss = ((model(*batch).float() - target) ** 2).mean()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            step()
-            tracker = FSDPMemTracker(model, opt)
-            tracker.track_inputs((*batch, target))
+            trainer._forward_loss = micro_batch
             with tracker:
-                step()
-            peaks[ac] = {str(k): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
-            del model, opt, tracker
-        if rank == 0:
-            Path(out).write_text(json.dumps(peaks))
+                trainer.train_step(batches)
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            results[case] = {"peak": {str(k).split(".")[-1]: v for k, v in peak.items()}, "held": held[-1],
+                             "accum": trainer.accum}
+            del trainer, tracker
     finally:
-        torch.distributed.destroy_process_group()
+        shutdown()
+    if rank == 0:
+        Path(out, "measured.json").write_text(json.dumps(results))
 
 
-def test_total_matches_measured_peak_of_a_2_rank_fsdp_step(tmp_path):
-    out = tmp_path / "peak.json"
-    mp.spawn(_measure_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    measured = json.loads(out.read_text())
-    for ac in ("none", "full"):
-        cfg = from_dict({**MEASURED, "parallel": {"ac": ac}})
-        b = plan(cfg, 2, 64, device="cpu").configured.per_gpu_bytes       # fsdp(2), as the config says
-        assert 2 * (b["params"] + b["grads"] + b["optimizer"]) >= 200e6   # params + grads + AdamW, both ranks
-        total, peak = b["total"], measured[ac]["Total"]
-        detail = {k.split(".")[-1]: round(v / 2 ** 20, 1) for k, v in measured[ac].items()}
-        msg = (f"ac={ac}: planner {total / 2 ** 20:.1f} MiB ({b['peak_phase']}) vs measured peak "
-               f"{peak / 2 ** 20:.1f} MiB ({(total - peak) / peak:+.1%}); measured at the peak: {detail}")
-        print(msg)
-        assert abs(total - peak) <= 0.2 * peak, msg
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("measured")
+    mp.spawn(_trainer_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return json.loads((out / "measured.json").read_text())
+
+
+def _compare(case: str, b: dict, measured: dict) -> str:
+    total, peak = b["total"], measured[case]["peak"]["Total"]
+    detail = {k: round(v / 2 ** 20, 1) for k, v in measured[case]["peak"].items()}
+    msg = (f"{case}: planner {total / 2 ** 20:.1f} MiB ({b['peak_phase']}) vs measured peak "
+           f"{peak / 2 ** 20:.1f} MiB ({(total - peak) / peak:+.1%}); measured at the peak: {detail}")
+    print(msg)
+    assert abs(total - peak) <= 0.2 * peak, msg
+    return msg
+
+
+@pytest.mark.parametrize("case", ["none", "full", "last", "every"])
+def test_total_matches_measured_peak_of_a_2_rank_training_step(measured, case):
+    assert measured[case]["accum"] == (1 if case in ("none", "full") else 2)
+    b = plan(_measured_cfg(case), 2, 64, device="cpu").configured.per_gpu_bytes   # fsdp(2), as the config says
+    assert b["grad_accum"] == measured[case]["accum"]
+    assert 2 * (b["params"] + b["grads"] + b["optimizer"]) >= 200e6   # params + grads + AdamW, both ranks
+    _compare(case, b, measured)
+
+
+def test_grad_sync_last_holds_the_whole_dit_unsharded_in_fp32(measured):
+    from difftrain.models import build_text_encoder, num_params
+
+    p = {case: plan(_measured_cfg(case), 2, 64, device="cpu") for case in ("last", "every")}
+    b = {case: q.configured.per_gpu_bytes for case, q in p.items()}
+    n_dit, n_text = p["last"].context["model_params"], p["last"].context["text_encoder_params"]
+    assert n_text == num_params(build_text_encoder(_measured_cfg("last")))
+    assert b["last"]["accum_grads"] == 4 * n_dit and b["every"]["accum_grads"] == 0
+    # between micro-batches under "last" every rank holds the whole DiT's gradients, unsharded, in fp32: as
+    # .grad of fp32 params, and upcast from bf16 (FSDP2's reduce dtype) under bf16 mixed precision
+    for case in ("last", "last-bf16"):
+        assert measured[case]["held"] == {"bytes": 4 * n_dit, "dtypes": ["torch.float32"]}, case
+    assert measured["every"]["held"]["bytes"] == 0
+    # the model (28M params) is large against the activations here: "last" costs more, measured and planned
+    assert measured["last"]["peak"]["Total"] > measured["every"]["peak"]["Total"]
+    assert b["last"]["total"] > b["every"]["total"]
+    # bf16 mixed precision (CUDA's semantics; CPU autocast keeps layer_norm in bf16, the composite rms_norm)
+    bf16 = plan(_measured_cfg("last-bf16"), 2, 64, assumptions=Assumptions(rms_norm_fused=False)).configured
+    assert bf16.grad_sync == "last" and bf16.per_gpu_bytes["accum_grads"] == 4 * n_dit
+    _compare("last-bf16", bf16.per_gpu_bytes, measured)
 
 
 def test_single_gpu_estimate_is_ordered():
@@ -246,6 +299,37 @@ def test_24b_on_64_h200_shards_without_recomputation(dit24b):
     ddp = _strategy(p, "ddp")              # 24.5B x 16 bytes of replicated state: nowhere near
     assert not ddp.fits and ddp.per_gpu_bytes["params"] == 4 * p.to_json()["model_params"]
     assert "Recommended: " + p.recommended in p.message and p.recommended in p.table()
+    # 16 micro-batches a rank: holding the whole DiT's unsharded fp32 gradients (91 GiB) would not fit
+    assert best.per_gpu_bytes["grad_accum"] == 16 and best.grad_sync == "every"
+    assert best.settings["parallel.grad_sync"] == "every" and "parallel.grad_sync=every" in p.message
+    assert best.alternative["grad_sync"] == "last" and not best.alternative["fits"]
+
+
+def test_grad_sync_is_chosen_per_strategy(dit24b):
+    """With accumulation every strategy is evaluated both ways: 'last' holds the DiT's unsharded gradients
+    but reduces once; the one kept fits if either does, then is the faster, else the smaller."""
+    p = plan(dit24b, 64, 141)
+    n = p.to_json()["model_params"]
+    assert p.configured.grad_sync == "last" and p.configured.per_gpu_bytes["accum_grads"] == 4 * n
+    kept = {s.grad_sync for s in p.strategies}
+    assert kept == {"last", "every"}
+    for s in p.strategies:
+        alt = s.alternative
+        total = {s.grad_sync: s.per_gpu_bytes["total"], alt["grad_sync"]: alt["total"]}
+        step = {s.grad_sync: s.step_time_cost["step_s"], alt["grad_sync"]: alt["step_s"]}
+        fits = {s.grad_sync: s.fits, alt["grad_sync"]: alt["fits"]}
+        assert s.per_gpu_bytes["accum_grads"] == (4 * n if s.grad_sync == "last" else 0)
+        assert step["last"] <= step["every"] + 1e-9, s.name           # fewer reductions: never slower
+        if s.base != "ddp":                                             # sharded: the unsharded grads cost
+            assert total["last"] > total["every"] + 3 * n, s.name
+        if fits["last"] and fits["every"]:
+            assert round(step[s.grad_sync], 3) <= round(step[alt["grad_sync"]], 3), s.name
+        elif fits["last"] or fits["every"]:
+            assert s.fits, s.name
+        else:
+            assert total[s.grad_sync] <= total[alt["grad_sync"]], s.name
+        accum = s.per_gpu_bytes["grad_accum"]
+        assert s.step_time_cost["grad_reductions"] == (1 if s.grad_sync == "last" else accum) and accum > 1
 
 
 def test_nothing_fits_says_what_would(dit24b):
@@ -263,7 +347,8 @@ def test_nothing_fits_says_what_would(dit24b):
     found = [s for s in p.suggestions if s["kind"] == "more_gpus" and s["min_gpus"]]
     assert found and f">= {found[0]['min_gpus']} GPUs" in p.message
     for s in found:
-        cfg = load_config(_preset("flux-dev"), sets + [f"parallel.cp={s['cp']}", f"parallel.ac={s['ac']}"])
+        sync = [f"parallel.grad_sync={s['grad_sync']}"] if s["grad_sync"] else []
+        cfg = load_config(_preset("flux-dev"), sets + [f"parallel.cp={s['cp']}", f"parallel.ac={s['ac']}", *sync])
         n = s["min_gpus"]
         at = plan(cfg, n, 17)
         assert at.configured.per_gpu_bytes["total"] <= at.context["usable_bytes"], s
@@ -282,8 +367,11 @@ def test_json_has_the_fields_the_cli_prints(dit24b):
         assert {"name", "fits", "per_gpu_bytes", "step_time_cost", "recommended", "settings"} <= set(s)
         b = s["per_gpu_bytes"]
         assert {"params", "grads", "optimizer", "activations", "encoders", "buffers", "total"} <= set(b)
-        parts = sum(b[k] for k in ("params", "grads", "optimizer", "ema", "activations", "encoders", "buffers"))
+        parts = sum(b[k] for k in ("params", "grads", "accum_grads", "optimizer", "ema", "activations", "encoders",
+                                   "buffers"))
         assert 0 < b["total"] <= parts
+        assert s["settings"]["parallel.grad_sync"] == s["grad_sync"] in ("last", "every")
+        assert (s["alternative"] is not None) == (b["grad_accum"] > 1)
         assert {"compute_s", "recompute_s", "comm_s", "extra_s", "extra_fraction", "step_s"} <= set(s["step_time_cost"])
         assert s["step_time_cost"]["extra_s"] >= 0
         if s["ac"] == "full":

@@ -14,9 +14,11 @@ Bytes on one rank (GPU: bf16 autocast over fp32 master weights; no autocast: fp3
 - activations: what autograd saves (``block_activation_bytes``, derived op by op from ``layers.py``) for the
   largest task shape at the micro-batch, plus one block's backward working set.
 - buffers: FSDP2's working set (the unit running and the one prefetched, its unsharded gradients, the
-  previous unit's fp32 reduce-scatter input, the root unit kept gathered) or foreach AdamW's temporary.
-- total: the peak over the step's phases (each block's backward in each kind of micro-batch, the optimizer
-  step): less than the sum of the parts, which peak at different moments.
+  previous unit's fp32 reduce-scatter input, the root unit kept gathered; in the forward the all-gather
+  outputs of this unit and the previous one) or foreach AdamW's temporary.
+- total: the peak over the step's phases (each block's forward, its backward in each kind of micro-batch, the
+  optimizer step): less than the sum of the parts, which peak at different moments. Checked against the
+  live tensors of real 2-rank steps (``tests/test_planner.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from dataclasses import dataclass
 
 from difftrain.config.schema import Config
 
-GiB = 2 ** 30
+T5_XXL_ENCODER_PARAMS = 4_762_310_656    # frozen encoders of the FLUX.1 checkpoints, counted on the meta device
+CLIP_L_TEXT_PARAMS = 123_060_480
+FLUX_VAE_PARAMS = 83_819_683
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,13 @@ def task_shapes(cfg: Config) -> dict[str, tuple[int, int, float]]:
     frames = {"t2i": (1, d.t2i_weight), "edit": (2, d.edit_weight), "keyframes": (d.frames, d.keyframe_weight)}
     out = {k: (n * per_frame, cfg.text.max_tokens, w) for k, (n, w) in frames.items() if w > 0}
     return out or {"t2i": (per_frame, cfg.text.max_tokens, 1.0)}
+
+
+def frozen_encoder_bytes(cfg: Config, device: str) -> int:
+    """The frozen text encoders ('hf': T5-XXL + CLIP-L) and VAE ('diffusers') resident for online encoding."""
+    n = (T5_XXL_ENCODER_PARAMS + CLIP_L_TEXT_PARAMS if cfg.text.kind == "hf" else 0)
+    n += FLUX_VAE_PARAMS if cfg.autoencoder.kind == "diffusers" else 0
+    return n * (4 if cfg.text.dtype == "fp32" or (device == "cpu" and cfg.text.dtype == "auto") else 2)
 
 
 # --- activations -------------------------------------------------------------------------------------------------
@@ -211,24 +222,26 @@ def rank_bytes(m: Inventory, W: int, N: int, T: int, micro: int, accum: int, ac:
     unit = {"double": m.double, "single": m.single}
     root_act = micro * root_activation_bytes(m, N, T, autocast)
     last = grad_sync == "last" and accum > 1
-    # a micro-batch's unsharded gradients are new tensors, except in fp32 under "last": autograd adds them into
-    # the gradients held from the earlier micro-batches
+    # a micro-batch's unsharded gradients are new tensors, except in fp32 under "last" after the first
+    # micro-batch: autograd then adds them into the gradients held from the earlier micro-batches
     fresh = not last or autocast
-    root_gathered = e * m.root.numel * (2 if fresh else 1)     # the root unit's gathered params (+ grads)
 
-    def unit_buffers(i: int, reducing: bool = True) -> int:
-        b = e * unit[blocks[i]].numel * (2 if fresh else 1)      # gathered params + their unsharded grads
+    def unit_buffers(i: int, reducing: bool = True, new_grads: bool = fresh) -> int:
+        b = e * unit[blocks[i]].numel * (2 if new_grads else 1)    # gathered params + their unsharded grads
         if i > 0:
             b += e * W * unit[blocks[i - 1]].shard(W)     # the next unit's all-gather output (prefetch)
         if reducing and i + 1 < len(blocks):
             b += 4 * W * unit[blocks[i + 1]].shard(W)     # the previous unit's fp32 reduce-scatter input
         return b + (4 * unit[blocks[i]].shard(W) if cpu_offload else 0)   # the shard copied in
 
+    def root_gathered(new_grads: bool = fresh) -> int:
+        return e * m.root.numel * (2 if new_grads else 1)      # the root unit's gathered params (+ grads)
+
     resident = params + optimizer + ema_b + encoders
     acc_all = 4 * m.numel if last else 0       # the whole DiT's unsharded fp32 gradients
     # gradients of earlier micro-batches: the sharded ones ("every"), the text encoder's
     grads_before = (4 * text if last else grads) if accum > 1 else 0
-    peak, phase = resident + root_act + sum(kept) + grads_before + acc_all + root_gathered, "end of forward"
+    peak, phase = resident + root_act + sum(kept) + grads_before + acc_all + root_gathered(), "end of forward"
     at_peak: dict = {}
 
     def consider(total: int, name: str, parts: dict) -> None:
@@ -236,28 +249,39 @@ def rank_bytes(m: Inventory, W: int, N: int, T: int, micro: int, accum: int, ac:
         if total > peak:
             peak, phase, at_peak = total, name, parts
 
-    # the micro-batch that reduces (the last, or each with "every"): unit i still holds its unsharded
-    # gradients and those of the units before it; the units after it hold their sharded ones
-    done = grads_before
-    for i in reversed(range(len(blocks))):
-        k = blocks[i]
-        live = root_act + sum(kept[:i]) + full[k] + work[k]
-        acc = 4 * (m.root.numel + sum(unit[b].numel for b in blocks[:i + 1])) if last else 0
-        buf = unit_buffers(i) + root_gathered
-        consider(resident + live + done + acc + buf, f"backward of {k} block {i}",
-                 {"activations": live, "buffers": buf, "grads": done, "accum_grads": acc})
-        if (accum == 1 or last) and not cpu_offload:
-            done += 4 * unit[k].shard(W)
-    if last:                                    # a micro-batch before the last: no reduction at all
+    # the forward of block i: its all-gather output copied out into its unsharded params, the previous
+    # unit's all-gather output still held (FSDP2 frees it when the next all-gather is waited on)
+    forward_buffers = [0]
+    for i, k in enumerate(blocks):
+        before = unit[blocks[i - 1]].shard(W) if i else m.root.shard(W)
+        buf = e * (unit[k].numel + W * (unit[k].shard(W) + before)) + e * m.root.numel
+        live = root_act + sum(kept[:i])
+        forward_buffers.append(buf)
+        consider(resident + live + grads_before + acc_all + buf, f"forward of {k} block {i}",
+                 {"activations": live, "buffers": buf, "grads": grads_before, "accum_grads": acc_all})
+
+    def backward(acc, reducing: bool = True, new_grads: bool = fresh, what: str = "") -> None:
+        """Each block's backward in one kind of micro-batch; ``acc(i)``: unsharded gradients then held."""
+        done = grads_before
         for i in reversed(range(len(blocks))):
             k = blocks[i]
             live = root_act + sum(kept[:i]) + full[k] + work[k]
-            later = sum(unit[b].numel for b in blocks[i + 1:])
-            # the first micro-batch has gradients of the later units only; the middle ones of all units
-            acc = 4 * (m.numel if accum > 2 else later)
-            buf = unit_buffers(i, reducing=False) + root_gathered
-            consider(resident + live + grads_before + acc + buf, f"backward of {k} block {i} (no sync)",
-                     {"activations": live, "buffers": buf, "grads": grads_before, "accum_grads": acc})
+            buf = unit_buffers(i, reducing, new_grads) + root_gathered(new_grads)
+            consider(resident + live + done + acc(i) + buf, f"backward of {k} block {i}{what}",
+                     {"activations": live, "buffers": buf, "grads": done, "accum_grads": acc(i)})
+            if reducing and (accum == 1 or last) and not cpu_offload:
+                done += 4 * unit[k].shard(W)
+
+    def held(units: list[str], root: bool) -> int:
+        return 4 * (sum(unit[b].numel for b in units) + (m.root.numel if root else 0))
+
+    # the micro-batch that reduces (the last, or each with "every"); under "last" unit i still holds its
+    # unsharded gradients and those of the units before it, the units after it their sharded ones
+    backward(lambda i: held(blocks[:i + 1], True) if last else 0)
+    if last:                                    # micro-batches before the last: no reduction at all
+        backward(lambda i: held(blocks[i + 1:], False), False, True, " (first micro-batch)")
+        if accum > 2:
+            backward(lambda i: acc_all, False, fresh, " (a middle micro-batch)")
     opt_step = resident + grads + (0 if cpu_offload else 4 * shard)    # foreach AdamW: one shard-sized temp
     consider(opt_step, "optimizer step", {"activations": 0, "buffers": 4 * shard, "grads": grads})
     return {
@@ -265,10 +289,10 @@ def rank_bytes(m: Inventory, W: int, N: int, T: int, micro: int, accum: int, ac:
         "activations": root_act + sum(kept) + max((full[k] - kept[i] + work[k] for i, k in enumerate(blocks)),
                                                   default=0),
         "encoders": encoders,
-        "buffers": max(root_gathered + max(map(unit_buffers, range(len(blocks))), default=0),
-                       opt_step - resident - grads),
+        "buffers": max(root_gathered() + max(map(unit_buffers, range(len(blocks))), default=0),
+                       max(forward_buffers), opt_step - resident - grads),
         "total": peak, "peak_phase": phase, "at_peak": at_peak, "micro_batch": micro, "grad_accum": accum,
-        "host": host}
+        "host": host, "recomputed": sum(full[k] for k in blocks) - sum(kept)}
 
 
 def estimate_single_gpu(params, img_tokens: int, txt_tokens: int, micro_batch: int = 1, ac: str = "none") -> int:
