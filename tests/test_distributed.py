@@ -129,7 +129,8 @@ def reference(tmp_path_factory):
     """One process, the same global batch of 8, 20 steps."""
     d = tmp_path_factory.mktemp("ref")
     return {"plain": _run(load_config(None, BASE + ["train.steps=20"]), d / "plain"),
-            "accum": _run(load_config(None, BASE + ["train.steps=20", "train.micro_batch=2"]), d / "accum")}
+            "accum": _run(load_config(None, BASE + ["train.steps=20", "train.micro_batch=2"]), d / "accum"),
+            "dir": d / "plain"}
 
 
 def test_two_ranks_fsdp_ddp_cp_and_accumulation_match_one_rank(reference, tmp_path):
@@ -196,8 +197,13 @@ def test_torchrun_checkpoint_on_two_ranks_resumes_on_one_and_four(reference, tmp
     straight = {m["step"]: m["loss"] for m in read_metrics(a)}
     ref = reference["plain"]["losses"]
     assert [straight[s] for s in range(1, 21)] == pytest.approx(ref, rel=1e-4)
-    # each rank wrote its own shard files; periodic sampling ran on both ranks; the export is whole
+    # each rank wrote its own shard files, and nothing twice: the two ranks' files hold as many bytes as
+    # one process's checkpoint of the same state (headers aside); periodic sampling ran on both ranks;
+    # the export is whole
     assert len(list((a / "checkpoints" / "step_00000010").glob("*.safetensors"))) >= 2
+    two_bytes = sum(f.stat().st_size for f in (a / "checkpoints" / "step_00000020").glob("*.safetensors"))
+    one_bytes = sum(f.stat().st_size for f in (reference["dir"] / "checkpoints" / "step_00000020").glob("*.safetensors"))
+    assert abs(two_bytes - one_bytes) < 0.05 * one_bytes, (two_bytes, one_bytes)
     assert (a / "samples" / "step_00000020.png").is_file()
     from safetensors.torch import load_file
     weights = load_file(str(a / "export" / "model.safetensors"))
