@@ -11,8 +11,10 @@ Writes one JSON object (stdout and ``--out``):
 - ``planner_error``: (planner estimate - ``torch.cuda.max_memory_allocated``) / measured for the no-AC run.
 
 Needs only torch (the GPU machine's preinstalled one) and ``PYTHONPATH=src``; no diffusers, no downloads.
+``--smoke`` runs the same code on the CPU with a tiny model and no compilation (a test runs it, so the script
+is known to work before it reaches a GPU).
 
-    PYTHONPATH=src python bench/gpu_suite.py [--out gpu_suite.json] [--batch 2] [--steps 8]
+    PYTHONPATH=src python bench/gpu_suite.py [--out gpu_suite.json] [--batch 2] [--steps 8] [--smoke]
 """
 
 from __future__ import annotations
@@ -32,47 +34,58 @@ from difftrain.parallel.ac import apply_ac
 from difftrain.parallel.compile import compile_blocks
 from difftrain.parallel.flops import peak_flops, step_flops
 
-# ~2B parameters, FLUX's head size and RoPE layout.
+# ~2.2B parameters, FLUX's head size and RoPE layout; 1024^2 images (4,096 tokens) + 512 text tokens.
 PARAMS = DiTParams(in_channels=64, text_dim=4096, pooled_dim=768, hidden=2048, heads=16, double_blocks=8,
                    single_blocks=16, axes_dims_rope=(16, 56, 56), guidance_embed=False)
 IMG, TXT = 4096, 512
+SMOKE = DiTParams(in_channels=16, text_dim=32, pooled_dim=16, hidden=64, heads=4, double_blocks=1, single_blocks=1,
+                  axes_dims_rope=(4, 6, 6)), 64, 8
+DEVICE = torch.device("cuda")
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    torch.cuda.synchronize()
+    sync()
     return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
 
 
 def batch(B: int):
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     side = int(IMG ** 0.5)
-    return dict(img_BLC=torch.randn(B, IMG, PARAMS.in_channels, device="cuda", generator=g),
-                img_ids_BL3=image_ids(side, side, device="cuda")[None].expand(B, -1, -1),
-                txt_BTD=torch.randn(B, TXT, PARAMS.text_dim, device="cuda", generator=g),
-                t_B=torch.rand(B, device="cuda", generator=g),
-                pooled_BP=torch.randn(B, PARAMS.pooled_dim, device="cuda", generator=g))
+    return dict(img_BLC=torch.randn(B, IMG, PARAMS.in_channels, device=DEVICE, generator=g),
+                img_ids_BL3=image_ids(side, side, device=DEVICE)[None].expand(B, -1, -1),
+                txt_BTD=torch.randn(B, TXT, PARAMS.text_dim, device=DEVICE, generator=g),
+                t_B=torch.rand(B, device=DEVICE, generator=g),
+                pooled_BP=torch.randn(B, PARAMS.pooled_dim, device=DEVICE, generator=g))
 
 
-def train_run(ac: str, B: int, steps: int, warmup: int) -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    dit = build_dit(PARAMS, device="cuda")
+def train_run(ac: str, B: int, steps: int, warmup: int, compile: bool = True) -> dict:
+    cuda = DEVICE.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    dit = build_dit(PARAMS, device=DEVICE)
     apply_ac(dit, ac)
-    compile_blocks(dit)
-    opt = torch.optim.AdamW(dit.parameters(), lr=1e-5, fused=True)
+    if compile:
+        compile_blocks(dit)
+    opt = torch.optim.AdamW(dit.parameters(), lr=1e-5, fused=cuda, foreach=not cuda)
     x = batch(B)
-    target = torch.randn(B, IMG, PARAMS.in_channels, device="cuda")
+    target = torch.randn(B, IMG, PARAMS.in_channels, device=DEVICE)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             out = dit(**x)
         loss = (out.float() - target).pow(2).mean()
         loss.backward()
@@ -82,30 +95,34 @@ def train_run(ac: str, B: int, steps: int, warmup: int) -> dict:
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    sync()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     step_s = (time.perf_counter() - t0) / steps
     flops = step_flops(PARAMS, [(IMG, TXT)] * B)
-    peak, source = peak_flops(torch.device("cuda"), torch.bfloat16)
+    peak, source = peak_flops(DEVICE, torch.bfloat16 if cuda else torch.float32)
     result = {"ac": ac, "batch": B, "step_s": round(step_s, 4), "tflops_per_gpu": round(flops / step_s / 1e12, 1),
               "mfu": round(flops / step_s / peak, 4), "peak": source, "warmup_with_compile_s": round(compile_s, 1),
-              "max_memory_allocated": torch.cuda.max_memory_allocated()}
+              "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None}
     del dit, opt, x
     gc.collect()
     torch._dynamo.reset()
     return result
 
 
-def planner_error(B: int, measured_bytes: int) -> dict:
-    """The planner's per-GPU total for this model and shape on 1 GPU against the measured peak."""
+def planner_error(B: int, measured_bytes: int | None) -> dict:
+    """The planner's per-GPU total for this model and shape on 1 GPU against the measured peak (None on a
+    CPU, where there is no allocator peak to compare with)."""
     from difftrain.parallel.planner import estimate_single_gpu
 
     est = estimate_single_gpu(PARAMS, img_tokens=IMG, txt_tokens=TXT, micro_batch=B, ac="none")
-    return {"planner_estimate_gb": round(est / 2**30, 2), "planner_error": round((est - measured_bytes) / measured_bytes, 4)}
+    out = {"planner_estimate_gb": round(est / 2**30, 3)}
+    if measured_bytes:
+        out["planner_error"] = round((est - measured_bytes) / measured_bytes, 4)
+    return out
 
 
 def main() -> None:
@@ -114,16 +131,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, no compilation: checks the script")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_suite needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    global PARAMS, IMG, TXT, DEVICE
+    if args.smoke:
+        (PARAMS, IMG, TXT), DEVICE = SMOKE, torch.device("cpu")
+    elif not torch.cuda.is_available():
+        raise SystemExit("gpu_suite needs a CUDA GPU (--smoke checks the script on a CPU)")
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    out: dict = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "torch": torch.__version__,
                  "params": num_params(build_dit(PARAMS, device="meta")), "img_tokens": IMG, "txt_tokens": TXT}
-    out["matmul_tflops"] = round(matmul_tflops(), 1)
+    out["matmul_tflops"] = round(matmul_tflops(256 if args.smoke else 8192, 2 if args.smoke else 20), 3)
     for name, ac in (("", "none"), ("_full_ac", "full")):
         try:
-            r = train_run(ac, args.batch, args.steps, args.warmup)
+            r = train_run(ac, args.batch, args.steps, args.warmup, compile=not args.smoke)
             out.update({f"{k}{name}": v for k, v in r.items() if k not in ("ac", "batch", "peak")})
             out["peak"] = r["peak"]
             if ac == "none":

@@ -7,6 +7,7 @@ shows the traceback. Warnings (e.g. a truncated prompt) print one line each.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -142,7 +143,7 @@ def cmd_train(args) -> int:
     from difftrain.train.trainer import Trainer
 
     cfg = load_config(resolve_config(args.config), args.overrides)
-    clean = False
+    clean, trainer, env = False, None, None
     try:
         env = init_distributed(cfg)
         if not env.is_main:                         # one voice in the logs: rank 0's
@@ -154,7 +155,14 @@ def cmd_train(args) -> int:
             trainer.fit()
         clean = True
     finally:
+        if trainer is not None:
+            trainer.close()
         shutdown(clean)
+        # Drop the last references to process groups (held by the mesh, FSDP state and DTensors) while the
+        # interpreter is alive: gloo worker threads destroyed during interpreter finalisation abort the
+        # process (SIGABRT, "terminate called without an active exception") after a successful run.
+        del trainer, env
+        gc.collect()
     return 0
 
 

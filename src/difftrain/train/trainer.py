@@ -316,6 +316,10 @@ class Trainer:
                 "wall_seconds": round(time.perf_counter() - t_start, 2), "tokens": tokens_seen,
                 "world_size": self.env.world}
 
+    def close(self) -> None:
+        """Flush and close the metrics files (TensorBoard's writer thread included)."""
+        self.metrics.close()
+
     # --- outputs ----------------------------------------------------------------------------------
     def export(self) -> Path:
         """Inference weights (EMA if kept) as safetensors, with the config beside them. Sharded tensors are
