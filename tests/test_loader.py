@@ -70,7 +70,7 @@ def test_ranks_and_micro_batches_read_slices_of_the_same_global_batch():
     whole = loader(global_batch=4)
     parts = [loader(global_batch=4, rank=r, num_ranks=2) for r in range(2)]
     accum = loader(global_batch=4, micro_batch=1)          # 1 rank, 4 micro-batches of 1
-    for step in range(5):
+    for step in range(12):                                 # caption dropout 0.2: some prompts are empty
         g = one(whole)
         p0, p1 = one(parts[0]), one(parts[1])
         micro = next(accum)
@@ -80,6 +80,10 @@ def test_ranks_and_micro_batches_read_slices_of_the_same_global_batch():
         assert torch.equal(torch.cat([p0.x0_BLC, p1.x0_BLC]), g.x0_BLC)
         assert torch.equal(torch.cat([b.x0_BLC for b in micro]), g.x0_BLC)
         assert g.sample_ids == list(range(4 * step, 4 * step + 4)) == p0.sample_ids + p1.sample_ids
+        # text is padded to the global batch's longest prompt, so a sample's tokens do not depend on the split
+        ids = [b.tokens["ids"] for b in (g, p0, p1, *micro)]
+        assert len({t.shape[1] for t in ids}) == 1
+        assert torch.equal(torch.cat([b.tokens["ids"] for b in micro]), g.tokens["ids"])
 
 
 def test_resume_with_another_global_batch_is_refused():
@@ -124,3 +128,10 @@ def test_caption_dropout_and_keyframe_conditioning_happen_at_their_rates():
             assert per.any(1).all()      # never everything given
     assert 0.1 < empty / total < 0.3
     assert 0.3 < cond / kf < 0.7
+
+
+def test_world_prompts_match_the_rendered_examples():
+    for i in range(20):
+        assert WORLD.prompt("t2i", i) == WORLD.t2i(i)[1]
+        assert WORLD.prompt("edit", i) == WORLD.edit(i)[2]
+        assert WORLD.prompt("keyframes", i) == WORLD.keyframes(i)[1]

@@ -198,7 +198,7 @@ def _trainer_worker(rank: int, world: int, port: int, out: str) -> None:
         for case in CASES:
             cfg = _measured_cfg(case)
             env = env or init_distributed(cfg)
-            trainer = Trainer(cfg, Path(out) / case, env=env, progress=False)
+            trainer = Trainer(cfg, Path(out) / case, env=env)
             trainer.train_step(next(trainer.loader))
             batches = next(trainer.loader)
             tracker = FSDPMemTracker(trainer.dit, trainer.optimizer)

@@ -162,8 +162,8 @@ class ParallelConfig:
                          ge=-1, default=-1)
     cp: int = meta("context-parallel size (Ulysses all-to-all over heads; must divide model.heads); -1 = the rest",
                    ge=-1, default=1)
-    backend: str = meta("process-group backend: 'auto' = NCCL on GPUs, gloo on CPUs", choices=("auto", "nccl", "gloo"),
-                        default="auto")
+    backend: str = meta("process-group backend: 'auto' = NCCL on GPUs, gloo on CPUs; 'gloo' trains on the CPU "
+                        "even where GPUs exist", choices=("auto", "nccl", "gloo"), default="auto")
     ac: str = meta("activation checkpointing: 'none', 'full' (every block), 'every:N' (every N-th block) or "
                    "'selective' (keep matmul/attention outputs, recompute the rest); off by default: shard first, "
                    "'difftrain plan' says when it is needed", default="none")

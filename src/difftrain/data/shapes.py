@@ -384,6 +384,14 @@ class ShapesWorld:
         spec = sample_motion(self._rng("keyframes", index), self.frames, self.bg_range, self.motion)
         return render_frames(spec, self.size), spec.caption(), spec
 
+    def prompt(self, task: str, index: int) -> str:
+        """The caption (or edit instruction) of an example, without rendering it."""
+        if task == "t2i":
+            return sample_shape(self._rng("t2i", index), self.bg_range).caption()
+        if task == "edit":
+            return sample_edit(self._rng("edit", index), self.bg_range).instruction
+        return sample_motion(self._rng("keyframes", index), self.frames, self.bg_range, self.motion).caption()
+
 
 # --------------------------------------------------------------------------- text
 

@@ -11,6 +11,7 @@ optimizer steps, so a run resumes exactly on any process count that divides the 
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from difftrain.data.batch import Batch, assemble
+from difftrain.models.text import pad_tokens
 from difftrain.data.shapes import ShapesWorld
 from difftrain.models.autoencoder import Autoencoder
 
@@ -144,19 +146,40 @@ class ShapesLoader:
         step, task = self.step, self._task_at(self.step)
         indices = self.streams[task].take(self.global_batch)   # every rank advances the same global plan
         self.step += 1
+        lengths = self._text_lengths(step, task, indices)
         lo = self.rank * self.share
         out = []
         for m in range(lo, lo + self.share, self.micro_batch):
             slots = range(m, m + self.micro_batch)
-            out.append(self._build(task, [indices[s] for s in slots], [self._example_rng(step, s) for s in slots],
-                                   [step * self.global_batch + s for s in slots]))
+            batch = self._build(task, [indices[s] for s in slots], [self._example_rng(step, s) for s in slots],
+                                [step * self.global_batch + s for s in slots])
+            batch.tokens = {k: pad_tokens({k: v}, lengths[k])[k] for k, v in batch.tokens.items()}
+            out.append(batch)
         return out
 
+    def _text_lengths(self, step: int, task: str, indices: list[int]) -> dict[str, int]:
+        """Token length per key of the whole global batch's prompts. Every micro-batch is padded to it, so a
+        sample sees the same (attended) padding however the global batch is split over ranks and
+        micro-batches; prompts only, nothing is rendered."""
+        prompts = []
+        for slot, index in enumerate(indices):
+            _, dropped = self._draws(task, self._example_rng(step, slot))
+            prompts.append("" if dropped else self.world.prompt(task, index))
+        with warnings.catch_warnings():            # the micro-batches' own tokenization warns once
+            warnings.simplefilter("ignore")
+            tokens = self.tokenize(prompts)
+        return {k: v.shape[1] for k, v in tokens.items()}
+
     # --- materialising examples -----------------------------------------------------------------
+    def _draws(self, task: str, rng: np.random.Generator) -> tuple[list[bool] | None, bool]:
+        """One example's perturbations, in a fixed order: which keyframes are targets, then caption dropout."""
+        targets = self._keyframe_targets(self.world.frames, rng) if task == "keyframes" else None
+        return targets, bool(rng.random() < self.caption_dropout)
+
     def _build(self, task: str, indices: list[int], rngs: list[np.random.Generator], sample_ids: list[int]) -> Batch:
-        k = self.world.frames
-        targets = [self._keyframe_targets(k, rng) for rng in rngs] if task == "keyframes" else None
-        dropped = [bool(rng.random() < self.caption_dropout) for rng in rngs]
+        draws = [self._draws(task, rng) for rng in rngs]
+        targets = [t for t, _ in draws] if task == "keyframes" else None
+        dropped = [d for _, d in draws]
         return make_batch(self.world, self.autoencoder, self.tokenize, task, indices, targets, dropped, sample_ids)
 
     def _keyframe_targets(self, k: int, rng: np.random.Generator) -> list[bool]:

@@ -31,7 +31,7 @@ def use_compile_cache(directory: str | Path) -> Path:
     return path
 
 
-def compile_blocks(dit: nn.Module, dynamic: bool | None = False) -> int:
+def compile_blocks(dit: nn.Module) -> int:
     """Compile every double- and single-stream block of ``dit``; returns how many were compiled."""
     dyn = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):       # renamed across torch releases
@@ -40,7 +40,7 @@ def compile_blocks(dit: nn.Module, dynamic: bool | None = False) -> int:
     n = 0
     for blocks in (dit.double_blocks, dit.single_blocks):
         for block in blocks:
-            block.compile(dynamic=dynamic)
+            block.compile(dynamic=False)
             n += 1
     return n
 

@@ -61,13 +61,10 @@ class UlyssesAttention(nn.Module):
         return _heads_to_seq(out, self.cp, self.group).transpose(1, 2).flatten(2)
 
 
-def apply_cp(dit: nn.Module, cp: int, group) -> list[UlyssesAttention]:
+def apply_cp(dit: nn.Module, cp: int, group) -> None:
     """Replace every block's attention with the Ulysses version (no parameters move)."""
-    swapped = []
     for block in (*dit.double_blocks, *dit.single_blocks):
         block.attention = UlyssesAttention(cp, group)
-        swapped.append(block.attention)
-    return swapped
 
 
 @contextlib.contextmanager

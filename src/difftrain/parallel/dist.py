@@ -136,25 +136,39 @@ def init_distributed(cfg: Config) -> ParallelEnv:
     if par.cpu_offload and device.type != "cuda":
         raise UserError("parallel.cpu_offload = true moves sharded state from GPU memory to host memory; this run "
                         "has no GPU (its state is in host memory already): set parallel.cpu_offload = false")
+    if par.cpu_offload and world == 1:
+        raise UserError("parallel.cpu_offload = true needs FSDP, i.e. more than one process (torchrun "
+                        "--nproc-per-node N): a single process keeps its state on its device")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world == 1:
         return ParallelEnv(1, 0, device)
+    if backend == "nccl" and par.cpu_offload:
+        # Offloaded gradients are CPU tensors: their norm reduction (and the export's gathers) need gloo.
+        backend = "cuda:nccl,cpu:gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=par.startup_timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
     mesh = init_device_mesh(device.type, tuple(sizes[k] for k in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+    env = ParallelEnv(world, rank, device, sizes, mesh)
+    env.fsdp_mesh()                                   # create the flattened group now, so its timeout is set
+    set_collective_timeout(env, par.startup_timeout_minutes)
     if rank == 0:
         log.info("world %d (%s): %s", world, backend, " x ".join(f"{k} {sizes[k]}" for k in MESH_DIMS))
-    return ParallelEnv(world, rank, device, sizes, mesh)
+    return env
 
 
-def set_collective_timeout(minutes: float) -> None:
-    """Tighten the collective timeout once start-up (compilation, checkpoint loading) is over, so a hung rank
-    is detected in minutes. Uses c10d's private setter where this torch has it (no public API yet)."""
+def set_collective_timeout(env: ParallelEnv, minutes: float) -> None:
+    """Set the collective timeout of every process group the run uses: the default group and the mesh's
+    (FSDP and context-parallel traffic runs on those, which otherwise keep the backend's default). Called
+    with the long start-up allowance (compilation, checkpoint loading), then tightened after the first
+    steps so that a hung rank is detected in minutes. Uses c10d's private setter (no public API yet)."""
     setter = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
-    if dist.is_initialized() and setter is not None:
-        setter(datetime.timedelta(minutes=minutes))
+    if not dist.is_initialized() or setter is None or env.mesh is None:
+        return
+    groups = {id(g): g for g in [dist.group.WORLD, *env.mesh.get_all_groups(), *env.fsdp_mesh().get_all_groups()]}
+    for group in groups.values():
+        setter(datetime.timedelta(minutes=minutes), group)
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -25,10 +25,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 
 def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
-    """bf16 compute copies of the parameters with fp32 gradient reduction (GPUs); fp32 throughout on CPUs."""
+    """bf16 compute copies of the parameters with fp32 gradient reduction (GPUs); fp32 throughout on CPUs.
+    Forward inputs are not cast: autocast sets the compute dtype, and the timestep and the RoPE angles
+    (computed in float64 on purpose) must reach the blocks in fp32, as they do in a single process."""
     if param_dtype is None or param_dtype == torch.float32:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -49,9 +51,12 @@ def all_reduce_grads(params: list[nn.Parameter]) -> None:
     """Sum the gradients of replicated parameters over all ranks in one flat all-reduce."""
     import torch.distributed as dist
 
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or not dist.is_initialized():
+    if not params or not dist.is_initialized():
         return
+    for p in params:              # every rank sends the same layout, whatever its graph touched
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
@@ -59,7 +64,7 @@ def all_reduce_grads(params: list[nn.Parameter]) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               cpu_offload: bool = False, reshard_after_forward: bool = True) -> list[FSDPModule]:
+               cpu_offload: bool = False) -> list[FSDPModule]:
     """Shard the DiT of ``model`` (an ``MMDiT`` or ``{"dit", "text"?}`` ModuleDict) in place over ``mesh``
     (1-D: FSDP; 2-D (replicate, shard): HSDP). Returns the FSDP units, innermost first."""
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision(param_dtype),
@@ -68,7 +73,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     for unit in units:
         # The root (the DiT's embedders and head) is needed again at the start of backward: keep it
         # gathered; blocks are freed after their forward (ZeRO-3).
-        fully_shard(unit, reshard_after_forward=reshard_after_forward and unit is not units[-1], **kwargs)
+        fully_shard(unit, reshard_after_forward=unit is not units[-1], **kwargs)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL is zero-copy only for sum-type reductions.

@@ -58,6 +58,18 @@ def _distributed() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
+def _all_ok(ok: bool) -> bool:
+    """True on every rank if it is true on every rank (a barrier that carries a verdict, so that a failure on
+    one rank is an error on all of them, not a wait until the collective timeout)."""
+    if not torch.distributed.is_initialized():
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0])
+    if torch.distributed.get_backend() == "nccl":
+        flag = flag.cuda()
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _split(prefix: str, sd: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors = {f"{prefix}.{k}": v for k, v in sd.items() if isinstance(v, Tensor)}
     other = {k: v for k, v in sd.items() if not isinstance(v, Tensor)}
@@ -93,10 +105,15 @@ class Checkpointer:
              extra: dict[str, Any]) -> Path:
         final = self.dir / f"step_{step:08d}"
         partial = self.dir / f"step_{step:08d}.partial"
+        error = None
         if _is_rank0():
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        _barrier()                       # the directory exists before any rank writes into it
+            try:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+            except OSError as e:
+                error = f"{partial}: cannot create the checkpoint directory ({e})"
+        if not _all_ok(error is None):   # the directory exists before any rank writes into it
+            raise UserError(error or f"{partial}: rank 0 could not create the checkpoint directory")
         tensors, info = self._gather(model, optimizer, ema)
         writer = HuggingFaceStorageWriter(str(partial), save_distributed=_distributed())
         _quiet(dcp.save, tensors, storage_writer=writer)

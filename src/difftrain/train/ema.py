@@ -73,4 +73,5 @@ class EMA:
         if missing:
             raise KeyError(f"EMA state lacks {sorted(missing)[:3]}...")
         for k in self.shadow:
-            _local(self.shadow[k]).copy_(_local(state[k]))
+            if state[k] is not self.shadow[k]:      # a checkpoint load fills the shadows in place
+                _local(self.shadow[k]).copy_(_local(state[k]))

@@ -72,14 +72,12 @@ class StepStats:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | Path | None = None, device: torch.device | None = None,
-                 progress: bool = True, env: ParallelEnv | None = None):
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, env: ParallelEnv | None = None):
         self.cfg, tc = cfg, cfg.train
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.env = env or init_distributed(cfg)
-        self.device = device or self.env.device
+        self.device = self.env.device
         self.amp = amp_dtype(tc.precision, self.device)
-        self.progress = progress
         if tc.threads:
             torch.set_num_threads(tc.threads)
         self.micro_batch, self.accum = batch_split(tc.global_batch, tc.micro_batch, self.env.dp_size)
@@ -121,6 +119,7 @@ class Trainer:
         self.train_seconds = 0.0
         self.peak, self.peak_source = self._peak()
         self.compiled_graphs = compile_count()
+        self.timeout_tightened = False
         if resume is not None:
             self._resume(resume)
         if self.env.is_main:
@@ -290,8 +289,9 @@ class Trainer:
             stats = self.train_step(batches)
             t2 = time.perf_counter()
             self.step += 1
-            if self.step == par.startup_steps:
-                set_collective_timeout(par.timeout_minutes)
+            if self.step >= par.startup_steps and not self.timeout_tightened:
+                set_collective_timeout(self.env, par.timeout_minutes)
+                self.timeout_tightened = True
             self.train_seconds += t2 - t0
             tokens_seen += stats.tokens
             if not self.budget_fixed:
