@@ -29,6 +29,12 @@ _KEEP = {
 }
 
 
+# Context parallelism's exchanges: recomputing them in backward would repeat the communication.
+_KEEP |= {getattr(torch.ops._c10d_functional, name).default
+          for name in ("all_to_all_single", "all_gather_into_tensor", "wait_tensor")
+          if hasattr(torch.ops._c10d_functional, name)}
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -143,12 +143,13 @@ class Trainer:
         self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp)
         dit = model["dit"]
         dit.to_empty(device="cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
-        with torch.no_grad():
-            dit.init_weights(cfg.model.init, cfg.run.seed, write_param)
-        if cfg.model.init_from and fresh:
+        if cfg.model.init_from and fresh:        # every DiT parameter is read from there (checked)
             from difftrain.parallel.pretrained import load_pretrained
             report = load_pretrained(dit, cfg.model.init_from)
             log.info("initialised from %s (%s)", cfg.model.init_from, report)
+        else:
+            with torch.no_grad():
+                dit.init_weights(cfg.model.init, cfg.run.seed, write_param)
         return model
 
     def _peak(self) -> tuple[float | None, str]:
