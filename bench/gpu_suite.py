@@ -29,7 +29,8 @@ import traceback
 import torch
 
 from difftrain.models import build_dit
-from difftrain.models.dit import DiTParams, image_ids, num_params
+from difftrain.models.dit import DiTParams, num_params
+from difftrain.tokens import image_ids
 from difftrain.parallel.ac import apply_ac
 from difftrain.parallel.compile import compile_blocks
 from difftrain.parallel.flops import peak_flops, step_flops

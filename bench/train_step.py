@@ -18,7 +18,8 @@ import time
 import torch
 from diffusers import FluxTransformer2DModel
 
-from difftrain.models.dit import MMDiT, image_ids
+from difftrain.models.dit import MMDiT
+from difftrain.tokens import image_ids
 from difftrain.models.flux_adapter import from_diffusers, params_from_diffusers_config
 from difftrain.parallel import compile_blocks
 

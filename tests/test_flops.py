@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from difftrain.models import DiTParams, build_dit
-from difftrain.models.dit import image_ids
+from difftrain.tokens import image_ids
 from difftrain.parallel import flops as flops_mod
 from difftrain.parallel.flops import (PEAK_BF16_FLOPS, forward_flops, mfu, peak_flops, step_flops,
                                       train_flops)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from difftrain.models.dit import DiTParams, MMDiT, image_ids
+from difftrain.models.dit import DiTParams, MMDiT
+from difftrain.tokens import image_ids
 
 from conftest import run_diffusers_flux, run_ours_flux
 from difftrain.models.flux_adapter import (diffusers_config, from_diffusers, params_from_diffusers_config,

@@ -11,7 +11,8 @@ import torch
 from difftrain.config import load_config, preset_path
 from difftrain.data.batch import assemble, frames_of
 from difftrain.models import build_dit, config_dit_params
-from difftrain.models.dit import DiTParams, MMDiT, image_ids, num_params, patchify, unpatchify
+from difftrain.models.dit import DiTParams, MMDiT, num_params
+from difftrain.tokens import image_ids, patchify, unpatchify
 from difftrain.models.layers import timestep_embedding
 from difftrain.models.attention import Attention
 from difftrain.models.rope import apply_rope, rope_angles
@@ -375,7 +376,8 @@ def test_rope_theta_is_used():
 def test_absolute_position_embedding_breaks_translation_invariance():
     """RoPE alone sees only position differences among image tokens; with abs_pos_embed the model
     knows where each token is, so shifting every id changes the output."""
-    from difftrain.models.dit import DiTParams, MMDiT, image_ids
+    from difftrain.models.dit import DiTParams, MMDiT
+    from difftrain.tokens import image_ids
     from difftrain.models.layers import position_features
     torch.manual_seed(0)
     feats = position_features(image_ids(3, 3)[None])

@@ -13,7 +13,8 @@ from difftrain.cli import main
 from difftrain.config import load_config, to_toml
 from difftrain.errors import UserError
 from difftrain.models import build_dit
-from difftrain.models.dit import DiTParams, image_ids
+from difftrain.models.dit import DiTParams
+from difftrain.tokens import image_ids
 from difftrain.parallel.ac import apply_ac
 from difftrain.parallel.compile import compile_blocks, compile_count
 from difftrain.parallel.cp import pad_to_multiple, shard_sequence

@@ -120,7 +120,7 @@ def test_block_activation_formula_equals_saved_tensors(monkeypatch, autocast):
     import torch.nn.functional as F
 
     from difftrain.models import layers
-    from difftrain.models.dit import image_ids
+    from difftrain.tokens import image_ids
     from difftrain.models.rope import rope_angles
 
     if autocast:   # CUDA's autocast runs layer_norm in fp32 (CPU's keeps bf16): reproduce CUDA's policy
@@ -255,12 +255,13 @@ def test_total_matches_measured_peak_of_a_2_rank_training_step(measured, case):
 
 
 def test_grad_sync_last_holds_the_whole_dit_unsharded_in_fp32(measured):
+    from difftrain.data import vocabulary_for
     from difftrain.models import build_text_encoder, num_params
 
     p = {case: plan(_measured_cfg(case), 2, 64, device="cpu") for case in ("last", "every")}
     b = {case: q.configured.per_gpu_bytes for case, q in p.items()}
     n_dit, n_text = p["last"].context["model_params"], p["last"].context["text_encoder_params"]
-    assert n_text == num_params(build_text_encoder(_measured_cfg("last")))
+    assert n_text == num_params(build_text_encoder(_measured_cfg("last"), vocabulary_for(_measured_cfg("last"))))
     assert b["last"]["accum_grads"] == 4 * n_dit and b["every"]["accum_grads"] == 0
     # between micro-batches under "last" every rank holds the whole DiT's gradients, unsharded, in fp32: as
     # .grad of fp32 params, and upcast from bf16 (FSDP2's reduce dtype) under bf16 mixed precision

@@ -26,7 +26,7 @@ from conftest import run_diffusers_flux, run_ours_flux
 
 from difftrain.errors import UserError
 from difftrain.models import build_dit
-from difftrain.models.dit import image_ids
+from difftrain.tokens import image_ids
 from difftrain.models.flux_adapter import from_diffusers, params_from_diffusers_config
 from difftrain.parallel.pretrained import load_pretrained
 

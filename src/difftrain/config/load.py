@@ -23,6 +23,8 @@ def _type_name(tp: Any) -> str:
     if origin is list:
         (arg,) = typing.get_args(tp)
         return f"list of {_type_name(arg)}"
+    if tp is dict:
+        return "a table"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
 
@@ -34,6 +36,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{where} = {value!r}: expected {_type_name(tp)}")
         return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{where} = {value!r}: expected a table {{key = value, ...}}")
+        return value
     if tp is bool:
         if not isinstance(value, bool):
             raise UserError(f"{where} = {value!r}: expected true or false")
@@ -72,6 +78,7 @@ def _hints(cls: type) -> dict[str, Any]:
 _RENAMED = {
     "train.batch_size": " (replaced by train.global_batch, the samples of one optimizer step over all ranks, "
                         "and train.micro_batch)",
+    "data.world": " (replaced by data.source = 'shapes' | 'store')",
     "train.grad_accum": " (gradient accumulation is now derived: global_batch / (data-parallel size x micro_batch))",
 }
 
@@ -138,6 +145,11 @@ def validate(cfg: Config, source: str = "config") -> None:
         raise UserError(f"{source}: autoencoder.kind = 'diffusers' needs autoencoder.path")
     if cfg.text.kind == "hf" and not (cfg.text.t5_path or cfg.text.clip_path):
         raise UserError(f"{source}: text.kind = 'hf' needs text.t5_path and/or text.clip_path")
+    if d.source == "store" and not d.store:
+        raise UserError(f"{source}: data.source = 'store' needs data.store (the path 'difftrain prepare' wrote)")
+    if d.stages:
+        from difftrain.data.curriculum import parse_stages
+        parse_stages(cfg, source)        # raises UserError naming the stage and key
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -191,7 +203,13 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
+
+
+def _toml_key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
 
 
 def to_toml(cfg: Config) -> str:

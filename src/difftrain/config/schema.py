@@ -85,8 +85,28 @@ class AutoencoderConfig:
 
 @dataclass
 class DataConfig:
-    world: str = meta("data source ('shapes': the built-in procedural world)", choices=("shapes",),
-                      default="shapes")
+    source: str = meta("what training reads: 'shapes' (the procedural world, rendered on the fly) or 'store' (the "
+                       "latent store 'difftrain prepare' wrote, through the curriculum of data.stages)",
+                       choices=("shapes", "store"), default="shapes")
+    store: str = meta("the latent store: a local path or fsspec URI (written by 'difftrain prepare', read by "
+                      "training with data.source = 'store')", default="")
+    sources: list[dict] = meta("raw inputs of 'difftrain prepare': [[data.sources]] tables {name, kind = folder | "
+                               "manifest | webdataset | edit | keyframes, path, task}", factory=list)
+    filters: list[dict] = meta("curation, applied in order: [[data.filters]] tables {kind = size | area | aspect | "
+                               "caption | exact_dup | near_dup | score, ...}", factory=list)
+    stages: list[dict] = meta("the curriculum: [[data.stages]] tables {name, start_step, buckets = [[h, w], ...] or "
+                              "[{size = [h, w], global_batch, micro_batch}], global_batch, micro_cost, cost_power, "
+                              "crop = center | random, mixture = {source = weight}}", factory=list)
+    latent_dtype: str = meta("how latents are kept in the store (bf16 as its raw 16-bit pattern: half the bytes)",
+                             choices=("bf16", "fp32"), default="bf16")
+    cache_dir: str = meta("node-local cache directory in front of a shared store ('' = read the store directly)",
+                          default="")
+    cache_gb: float = meta("size limit of the node-local cache; least recently used tables are evicted", gt=0,
+                           default=50.0)
+    prefetch: int = meta("global batches read ahead of the optimizer (per rank)", ge=1, default=4)
+    read_threads: int = meta("threads reading and collating store batches", ge=1, default=2)
+    max_error_rate: float = meta("fraction of per-sample faults (unreadable images, bad rows) tolerated before a "
+                                 "prepare or a training run fails", ge=0, le=1, default=0.01)
     image_size: int = meta("image side in pixels", ge=8, default=48)
     frames: int = meta("frames per keyframe sequence", ge=2, le=16, default=4)
     motion: str = meta("keyframe paths: 'any' start and end cell, or 'across' (the 16 straight paths two cells "

@@ -10,12 +10,13 @@ The trainer and the model never ask which task a batch is; ``task`` is only for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from difftrain.models.dit import image_ids, patchify, unpatchify
+from difftrain.models.text import TextEmbedding
+from difftrain.tokens import image_ids, patchify, unpatchify
 
 
 @dataclass
@@ -28,12 +29,21 @@ class Batch:
     grid: tuple[int, int, int]     # (frames, latent h, latent w): how tokens unpack into frames
     task: str = "t2i"
     meta: list[dict] = field(default_factory=list)   # per-example facts for evaluation and logging
-    sample_ids: list[int] = field(default_factory=list)  # global index of each example in the training stream
+    sample_ids: list[int] = field(default_factory=list)  # the examples' ids (what noise and timesteps are drawn from)
+    text: TextEmbedding | None = None   # precomputed by frozen encoders (the latent store); else from ``tokens``
 
-    def to(self, device: torch.device | str) -> "Batch":
-        return Batch(self.x0_BLC.to(device), self.ids_BL3.to(device), self.loss_mask_BL.to(device),
-                     {k: v.to(device) for k, v in self.tokens.items()}, self.prompts, self.grid, self.task,
-                     self.meta, self.sample_ids)
+    def _map(self, fn) -> "Batch":
+        text = None if self.text is None else TextEmbedding(fn(self.text.txt_BTD), fn(self.text.pooled_BP),
+                                                            fn(self.text.mask_BT))
+        return replace(self, x0_BLC=fn(self.x0_BLC), ids_BL3=fn(self.ids_BL3), loss_mask_BL=fn(self.loss_mask_BL),
+                       tokens={k: fn(v) for k, v in self.tokens.items()}, text=text)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked host copies, so ``to(cuda, non_blocking=True)`` overlaps the copy with compute."""
+        return self._map(lambda t: t.pin_memory())
 
     def __len__(self) -> int:
         return self.x0_BLC.shape[0]

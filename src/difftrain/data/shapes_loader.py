@@ -193,10 +193,13 @@ class ShapesLoader:
 
     # --- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "global_batch": self.global_batch,
+        return {"kind": "shapes", "step": self.step, "global_batch": self.global_batch,
                 "streams": {t: s.state_dict() for t, s in self.streams.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("kind", "shapes") != "shapes":
+            raise ValueError("the checkpoint's loader state is a latent store's (data.source = 'store'); resume "
+                             "with the same data.source")
         if int(state["global_batch"]) != self.global_batch:
             raise ValueError(f"loader state was saved with global batch {state['global_batch']}, "
                              f"this run has {self.global_batch}: the data order would differ")

@@ -15,9 +15,8 @@ from difftrain.models.text import WordTextEncoder
 def build_text_encoder(cfg: Config, vocabulary: list[str] | None = None, device: torch.device | str = "cpu"):
     t = cfg.text
     if t.kind == "words":
-        if vocabulary is None:
-            from difftrain.data.shapes import vocabulary as shapes_vocabulary
-            vocabulary = shapes_vocabulary()
+        if not vocabulary:   # the vocabulary is data: the caller takes it from its data source or checkpoint
+            raise ValueError("text.kind = 'words' needs its word vocabulary (difftrain.data.vocabulary_for(cfg))")
         return WordTextEncoder(vocabulary, t.max_tokens, t.dim, t.layers).to(device)
     from difftrain.models.hf_text import HFTextEncoder
     return HFTextEncoder.from_paths(t.t5_path, t.clip_path, t.max_tokens, t.dtype, device=device)

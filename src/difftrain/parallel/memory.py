@@ -97,9 +97,10 @@ def inventory(p, cfg: Config | None = None) -> Inventory:
 
     text = [0, 0]
     if cfg is not None and cfg.text.kind == "words":
+        from difftrain.data import vocabulary_for
         from difftrain.models import build_text_encoder
 
-        ps = [q for q in build_text_encoder(cfg, None, "meta").parameters() if q.requires_grad]
+        ps = [q for q in build_text_encoder(cfg, vocabulary_for(cfg), "meta").parameters() if q.requires_grad]
         text = [sum(q.numel() for q in ps), len(ps)]
     root = Unit(1, _shapes([q for q in dit.parameters() if id(q) not in in_blocks]))
     return Inventory(D=p.hidden, M=int(p.hidden * p.mlp_ratio), H=p.heads, head_dim=p.head_dim,

@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from difftrain.config import Config, to_dict, to_toml
-from difftrain.data import world_from_config
+from difftrain.data import build_source, vocabulary_for, world_from_config
 from difftrain.data.batch import Batch
-from difftrain.data.shapes_loader import ShapesLoader
 from difftrain.diffusion.flow import FlowSpec, draw_t_and_noise, flow_loss, loss_weight, noisy_input, to_velocity
 from difftrain.diffusion.pipeline import Pipeline, autocast
 from difftrain.models import build_autoencoder, build_dit, build_text_encoder, dit_params, num_params
@@ -90,6 +89,8 @@ class Trainer:
         self.autoencoder = build_autoencoder(ae_cfg.kind, ae_cfg.factor, ae_cfg.path, ae_cfg.scaling,
                                              ae_cfg.shift).to(self.device)
         vocab = info.get("text_encoder", {}).get("vocabulary") if info else None
+        if vocab is None and cfg.text.kind == "words":
+            vocab = vocabulary_for(cfg)
         self.text_encoder = build_text_encoder(cfg, vocab, self.device)
         self.model = self._build_model(resume is None)
         self.dit = self.model["dit"]
@@ -105,13 +106,8 @@ class Trainer:
             lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
 
-        d = cfg.data
-        self.world = world_from_config(d, cfg.run.seed)
-        self.loader = ShapesLoader(
-            self.world, self.autoencoder, self.text_encoder.tokenize, tc.global_batch,
-            {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight}, d.world_size,
-            d.caption_dropout, d.keyframe_cond_prob, cfg.run.seed, micro_batch=self.micro_batch,
-            rank=self.env.dp_rank, num_ranks=self.env.dp_size)
+        self.loader = build_source(cfg, self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
+                                   self.device, self.micro_batch)
         self.metrics = MetricsLogger(self.run_dir)
         self.step = 0
         self.total_steps = tc.steps
@@ -181,7 +177,7 @@ class Trainer:
     # --- one optimizer step -----------------------------------------------------------------------
     def _forward_loss(self, batch: Batch, normalizer: float) -> tuple[torch.Tensor, int, float]:
         """One micro-batch: (loss contribution, real tokens, training FLOPs) of this rank's part."""
-        b = batch.to(self.device)
+        b = batch.to(self.device, non_blocking=True)
         B = len(b)
         _, H, W = b.grid
         cp, r = self.env.cp, self.env.cp_rank
@@ -190,8 +186,11 @@ class Trainer:
         xt = noisy_input(b.x0_BLC, eps, t, b.loss_mask_BL)
         # Guidance-distilled models (FLUX.1-dev) are fine-tuned with the embedded guidance at 1.
         g = torch.ones(B, device=self.device) if self.dit.params.guidance_embed else None
-        with autocast(self.device, self.amp):
-            emb = self.text_encoder(b.tokens)
+        if b.text is not None:      # embeddings of frozen encoders, read from the latent store
+            emb = b.text
+        else:
+            with autocast(self.device, self.amp):
+                emb = self.text_encoder(b.tokens)
         txt, txt_mask, img_mask = emb.txt_BTD, None, None
         x0, mask, ids = b.x0_BLC, b.loss_mask_BL, b.ids_BL3
         if cp > 1:   # this rank's 1/cp of every sequence tensor; padding is masked out of attention and loss
@@ -219,7 +218,7 @@ class Trainer:
         # The loss is a sum over target tokens divided by the step's global count (over ranks and
         # micro-batches; context-parallel peers hold the same samples, hence / cp).
         local_targets = float(sum(int(b.loss_mask_BL.sum()) for b in batches))
-        (n_targets,) = all_reduce_sum([local_targets], self.device)
+        n_targets, n_samples = all_reduce_sum([local_targets, float(sum(len(b) for b in batches))], self.device)
         n_targets = max(1.0, n_targets / self.env.cp)
         total = torch.zeros((), device=self.device)
         tokens = flops = 0.0
@@ -242,7 +241,7 @@ class Trainer:
         if self.ema is not None:
             self.ema.update()
         cp = self.env.cp
-        return StepStats(loss_sum, gnorm, lr, int(tokens / cp), self.cfg.train.global_batch, flops / cp)
+        return StepStats(loss_sum, gnorm, lr, int(tokens / cp), int(n_samples / cp), flops / cp)
 
     # --- the loop ---------------------------------------------------------------------------------
     def pipeline(self) -> Pipeline:
@@ -265,7 +264,8 @@ class Trainer:
         total_s = data_s + step_s
         graphs = compile_count()
         values = {"loss": stats.loss, "grad_norm": round(stats.grad_norm, 4), "lr": stats.lr,
-                  "task": batch.task, "seq": [batch.x0_BLC.shape[1], max(v.shape[1] for v in batch.tokens.values())],
+                  "task": batch.task, "seq": [batch.x0_BLC.shape[1], batch.text.txt_BTD.shape[1] if batch.text is not None
+                          else max((v.shape[1] for v in batch.tokens.values()), default=0)],
                   "data_s": round(data_s, 4), "step_s": round(step_s, 4),
                   "samples_per_s": round(stats.samples / total_s, 2), "tokens_per_s": round(stats.tokens / total_s, 1),
                   "train_seconds": round(self.train_seconds, 2)}
@@ -318,7 +318,9 @@ class Trainer:
                 "world_size": self.env.world}
 
     def close(self) -> None:
-        """Flush and close the metrics files (TensorBoard's writer thread included)."""
+        """Stop the data source's readers; flush and close the metrics files (TensorBoard's writer included)."""
+        if hasattr(self.loader, "close"):
+            self.loader.close()
         self.metrics.close()
 
     # --- outputs ----------------------------------------------------------------------------------

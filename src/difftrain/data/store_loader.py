@@ -1,0 +1,537 @@
+"""Training batches from the latent store: deterministic, stateful, elastic, asynchronous, cached.
+
+**The plan.** A *stream* is (stage, bucket, task, source): the sorted sample ids of one source in one
+table. Step s of the run is in the stage whose ``start_step`` it has passed; it draws one stream (by
+the stage's mixture: source weights, or the config's task weights, shared among the streams of a
+source or task in proportion to their sizes) with a generator seeded by (seed, s), and takes that
+bucket's global batch from the stream's current epoch: a permutation of its ids seeded by (seed,
+stage, stream, epoch). So the sequence of global batches is a pure function of (seed, stages, the
+streams' ids, the global batch per bucket), every global batch has one shape, and samples are
+addressed by id, never by row: a store rewritten with the same content gives the same stream.
+
+**Epochs and the remainder.** Every id of a stream appears exactly once per epoch. When an epoch's
+remainder is shorter than the global batch, the batch takes that remainder and the first ids of the
+next epoch's permutation (nothing is dropped, nothing repeats within an epoch). A stream smaller than
+its global batch cannot keep that promise and is left out, with a warning.
+
+**Ranks.** Data rank r of D reads slice r of the global batch (D must divide every bucket's global batch
+of the stages still to come), split into micro-batches of at most the bucket's cost-balanced size
+(``Bucket.micro_for``). Per-example draws (caption dropout, which keyframes are given) are functions of
+(seed, step, slot in the global batch); text is padded to the global batch's longest prompt.
+
+**State** (in checkpoints): steps consumed by the optimizer (not prefetched), each stream's (epoch,
+position) at that point, the global batch per bucket and the table versions. Resuming on any world
+size that divides the global batches continues the same sample sequence.
+
+**Asynchronous.** Plans are made in order on the caller's thread (cheap: ids only); reading (Lance
+``take`` by row), decoding bits and collating run in a thread pool ``data.prefetch`` steps ahead,
+into pinned memory on GPU machines, so the trainer's copy is non-blocking.
+
+**Location-aware.** With ``data.cache_dir``, every table of the current and the next stage is copied in
+the background to a node-local cache (size limit ``data.cache_gb``, least recently used tables
+evicted); a table is read from the cache once its copy is complete, from the shared store until then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from difftrain.data import store as st
+from difftrain.data.batch import Batch, assemble
+from difftrain.data.curriculum import Stage, parse_stages, stage_at
+from difftrain.errors import UserError
+from difftrain.models.text import TextEmbedding, pad_tokens
+
+log = logging.getLogger("difftrain")
+
+TASK_IDS = {"t2i": 0, "edit": 1, "keyframes": 2}
+
+
+def _h64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass
+class Stream:
+    name: str                 # stage/bucket/task/source
+    stage: Stage
+    table: str
+    bucket: str
+    task: str
+    source: str
+    ids: np.ndarray           # sorted int64
+    weight: float = 0.0
+    epoch: int = 0
+    pos: int = 0
+
+    def _perm(self, seed: int, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([seed, 303, self.stage.index, _h64(self.name), epoch])
+        return self.ids[rng.permutation(len(self.ids))]
+
+    def take(self, count: int, seed: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < count:
+            perm = self._perm(seed, self.epoch)
+            k = min(count - len(out), len(self.ids) - self.pos)
+            out.extend(int(i) for i in perm[self.pos:self.pos + k])
+            self.pos += k
+            if self.pos == len(self.ids):
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+
+class _Table:
+    """One Lance table: row lookup by sample id, reads by row, its node-local copy when cached."""
+
+    def __init__(self, info: st.TableInfo, uri: str, store_ds):
+        self.info, self.uri, self.ds = info, uri, store_ds
+        self.version = store_ds.version
+        cols = ["sample_id", "source"] + (["txt_len"] if info.text_embeddings else [])
+        # The index, fragment by fragment: a damaged fragment loses its rows (counted, logged), not the table.
+        ids, sources, lens, rows = [], [], [], []
+        self.lost, self.damaged = 0, []
+        offset = 0
+        for frag in store_ds.get_fragments():
+            n = frag.count_rows()
+            try:
+                t = frag.to_table(columns=cols)
+                if t.num_rows != n:
+                    raise ValueError(f"{t.num_rows} rows read, {n} expected")
+            except Exception as e:  # noqa: BLE001 - Lance/Arrow raise several types for a damaged file
+                files = [f.path for f in frag.metadata.files]
+                self.damaged.append(f"fragment {frag.fragment_id} ({', '.join(files)}): {str(e).splitlines()[0]}")
+                self.lost += n
+                offset += n
+                continue
+            ids.append(t["sample_id"].to_numpy())
+            sources += t["source"].to_pylist()
+            if info.text_embeddings:
+                lens.append(t["txt_len"].to_numpy())
+            rows.append(np.arange(offset, offset + n))
+            offset += n
+        ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        rows_all = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        order = np.argsort(ids, kind="stable")
+        self.sorted_ids, self.rows = ids[order], rows_all[order]
+        if len(self.sorted_ids) > 1 and (np.diff(self.sorted_ids) == 0).any():
+            dup = int(self.sorted_ids[:-1][np.diff(self.sorted_ids) == 0][0])
+            raise UserError(f"store table {info.name}: sample id {dup} appears twice (a damaged or doubly "
+                            "committed table); re-run 'difftrain prepare --overwrite'")
+        self.sources = np.asarray(sources, dtype=object)[order] if sources else np.zeros(0, dtype=object)
+        self.txt_len = np.concatenate(lens)[order] if lens else None
+        self.total = offset
+
+    def row_of(self, ids: list[int]) -> np.ndarray:
+        want = np.asarray(ids, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(self.sorted_ids, want), max(0, len(self.sorted_ids) - 1))
+        if len(self.sorted_ids) == 0 or (self.sorted_ids[pos] != want).any():
+            raise UserError(f"store table {self.info.name}: sample ids missing from version {self.version}")
+        return self.rows[pos]
+
+    def read(self, ids: list[int], columns: list[str]):
+        return self.ds.take(self.row_of(ids).tolist(), columns=columns)
+
+
+class NodeCache:
+    """Copies tables from a shared store into a node-local directory, ahead of use, with LRU eviction."""
+
+    def __init__(self, directory: str, limit_bytes: float):
+        self.dir, self.limit = Path(directory), float(limit_bytes)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="difftrain-cache")
+        self.jobs: dict[str, Future] = {}
+        self.lock = threading.Lock()
+
+    def _local(self, name: str, version: int) -> Path:
+        return self.dir / f"{name.replace('/', '__')}@v{version}.lance"
+
+    def _stamp(self, path: Path) -> None:
+        (path.parent / (path.name + ".used")).write_text(str(time.time()))
+
+    def _size(self, path: Path) -> int:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+    def _evict(self, need: int, keep: set[Path]) -> bool:
+        entries = []
+        for p in self.dir.glob("*.lance"):
+            used = p.parent / (p.name + ".used")
+            entries.append((float(used.read_text()) if used.exists() else 0.0, p))
+        total = sum(self._size(p) for _, p in entries)
+        for _, p in sorted(entries):
+            if total + need <= self.limit:
+                break
+            if p in keep:
+                continue
+            total -= self._size(p)
+            shutil.rmtree(p, ignore_errors=True)
+            (p.parent / (p.name + ".used")).unlink(missing_ok=True)
+            log.info("node cache: evicted %s", p.name)
+        return total + need <= self.limit
+
+    def _copy(self, name: str, uri: str, version: int, keep: set[Path]) -> Path | None:
+        import fsspec
+        fs, root = fsspec.core.url_to_fs(uri)
+        need = sum(int(v.get("size", 0) or 0) for v in fs.find(root, detail=True).values())
+        dst = self._local(name, version)
+        if not self._evict(need, keep | {dst}):
+            log.warning("node cache: %s (%.1f MB) does not fit in data.cache_gb; read from the store", name, need / 1e6)
+            return None
+        tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        fs.get(root.rstrip("/") + "/", str(tmp) + "/", recursive=True)
+        os.replace(tmp, dst)
+        self._stamp(dst)
+        return dst
+
+    def request(self, name: str, uri: str, version: int, keep: set[str]) -> None:
+        with self.lock:
+            if name in self.jobs:
+                return
+            dst = self._local(name, version)
+            if dst.is_dir():
+                fut: Future = Future()
+                fut.set_result(dst)
+                self._stamp(dst)
+            else:
+                fut = self.pool.submit(self._copy, name, uri, version, {self._local(k, version) for k in keep})
+            self.jobs[name] = fut
+
+    def ready(self, name: str) -> Path | None:
+        fut = self.jobs.get(name)
+        if fut is None or not fut.done():
+            return None
+        try:
+            return fut.result()
+        except Exception as e:  # noqa: BLE001 - the shared store still serves the table
+            log.warning("node cache: copying %s failed (%s); reading from the store", name, e)
+            return None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class StoreLoader:
+    """Yields, per optimizer step, this data rank's micro-batches of the step's global batch."""
+
+    def __init__(self, cfg, tokenize=None, rank: int = 0, num_ranks: int = 1, device: torch.device | str = "cpu"):
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
+        import lance
+
+        d = cfg.data
+        self.cfg, self.seed, self.tokenize = cfg, cfg.run.seed, tokenize
+        self.rank, self.num_ranks = rank, num_ranks
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda"
+        self.store = d.store
+        self.stages = parse_stages(cfg)
+        self.manifest, infos = st.check_store(self.store, cfg, self.stages)
+        self.latent_dtype = d.latent_dtype
+        self.tables: dict[str, _Table] = {}
+        for name, info in infos.items():
+            uri = st.table_uri(self.store, name)
+            self.tables[name] = _Table(info, uri, st.open_table(uri, name))
+        lost = sum(t.lost for t in self.tables.values())
+        total = sum(t.total for t in self.tables.values())
+        for t in self.tables.values():
+            for msg in t.damaged:
+                log.warning("store table %s (%s): damaged %s; its rows are skipped", t.info.name, t.uri, msg)
+        if lost and lost > d.max_error_rate * total:
+            where = "; ".join(f"{t.info.name}: {m}" for t in self.tables.values() for m in t.damaged)
+            raise UserError(f"store {self.store}: {lost} of {total} rows are in damaged fragments (> "
+                            f"data.max_error_rate = {d.max_error_rate}): {where}. Re-run 'difftrain prepare' "
+                            "(with --overwrite) to rewrite them.")
+        self.empty_text = None
+        if any(t.info.text_embeddings for t in self.tables.values()):
+            from safetensors.torch import load_file
+            self.empty_text = load_file(f"{self.store.rstrip('/')}/empty_text.safetensors")
+        self.streams = self._streams()
+        self.step = 0
+        self.lost = lost            # rows lost to damaged fragments (checked above against all rows)
+        self.read_errors = 0        # rows unreadable when read (checked against the rows read)
+        self.samples_read = 0
+        self._check_world(0)
+        self.cache = NodeCache(d.cache_dir, d.cache_gb * 1e9) if d.cache_dir else None
+        self.pool = ThreadPoolExecutor(d.read_threads, thread_name_prefix="difftrain-read")
+        self.queue: deque[tuple[dict, Future]] = deque()
+        self.planned = 0                  # steps planned (>= self.step, the steps consumed)
+        self.count_lock = threading.Lock()
+        self._consumed = self._positions()
+        self._lance = lance
+
+    # ---- streams ---------------------------------------------------------------------------------
+    def _streams(self) -> dict[str, list[Stream]]:
+        d = self.cfg.data
+        task_weight = {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight}
+        out: dict[str, list[Stream]] = {}
+        for stage in self.stages:
+            streams = []
+            for name, table in sorted(self.tables.items()):
+                info = table.info
+                if info.stage != stage.name:
+                    continue
+                bucket = stage.bucket(info.bucket)
+                for source in sorted(set(table.sources.tolist())):
+                    if stage.mixture and source not in stage.mixture:
+                        continue
+                    ids = table.sorted_ids[table.sources == source]
+                    sname = f"{name}/{source}"
+                    if len(ids) < bucket.global_batch:
+                        warnings.warn(f"stream {sname} has {len(ids)} samples, fewer than its bucket's global batch "
+                                      f"{bucket.global_batch}: left out of the plan", stacklevel=2)
+                        continue
+                    streams.append(Stream(sname, stage, name, info.bucket, info.task, source, ids))
+            groups: dict[str, int] = {}
+            for s in streams:
+                g = s.source if stage.mixture else s.task
+                groups[g] = groups.get(g, 0) + len(s.ids)
+            for s in streams:
+                g = s.source if stage.mixture else s.task
+                s.weight = (stage.mixture[g] if stage.mixture else task_weight[s.task]) * len(s.ids) / groups[g]
+            streams = [s for s in streams if s.weight > 0]
+            if not streams:
+                raise UserError(f"stage {stage.name!r}: no stream of the store {self.store!r} has samples and a "
+                                "positive weight (check data.stages' mixture and the tables prepare wrote)")
+            out[stage.name] = streams
+        return out
+
+    def _check_world(self, step: int) -> None:
+        current = stage_at(self.stages, step)
+        for stage in self.stages[current.index:]:
+            for b in stage.buckets:
+                if b.global_batch % self.num_ranks:
+                    raise UserError(f"stage {stage.name!r}, bucket {b.name}: global batch {b.global_batch} is not "
+                                    f"divisible by {self.num_ranks} data-parallel ranks; run on a world size that "
+                                    "divides every bucket's global batch")
+
+    # ---- the plan (pure given the stream positions) ----------------------------------------------
+    def _plan(self, step: int) -> dict:
+        stage = stage_at(self.stages, step)
+        streams = self.streams[stage.name]
+        w = np.array([s.weight for s in streams])
+        u = np.random.default_rng([self.seed, 101, step]).random()
+        k = int(np.searchsorted(np.cumsum(w / w.sum()), u, side="right").clip(0, len(streams) - 1))
+        s = streams[k]
+        bucket = stage.bucket(s.bucket)
+        ids = s.take(bucket.global_batch, self.seed)
+        table = self.tables[s.table]
+        F = table.info.frames
+        draws = []
+        for slot in range(len(ids)):
+            rng = np.random.default_rng([self.seed, 202, step, slot])
+            targets = self._keyframe_targets(F, rng) if s.task == "keyframes" else None
+            draws.append((targets, bool(rng.random() < self.cfg.data.caption_dropout)))
+        return {"step": step, "stage": stage.name, "stream": s.name, "table": s.table, "task": s.task,
+                "bucket": bucket, "ids": ids, "draws": draws}
+
+    def _keyframe_targets(self, k: int, rng: np.random.Generator) -> list[bool]:
+        if rng.random() >= self.cfg.data.keyframe_cond_prob:
+            return [True] * k
+        g = int(rng.integers(1, k))
+        given = set(range(g)) if rng.random() < 0.5 else set(rng.choice(k, size=g, replace=False).tolist())
+        return [f not in given for f in range(k)]
+
+    def _positions(self) -> dict:
+        return {s.name: [s.epoch, s.pos] for streams in self.streams.values() for s in streams}
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def _table_ds(self, name: str):
+        t = self.tables[name]
+        if self.cache is not None:
+            local = self.cache.ready(name)
+            if local is not None and t.uri != str(local):
+                t.ds, t.uri = self._lance.dataset(str(local), version=t.version), str(local)
+        return t
+
+    def _columns(self, table: _Table) -> list[str]:
+        return ["sample_id", "caption", "latents"] + (["txt", "txt_len", "pooled"] if table.info.text_embeddings else [])
+
+    def _read_rows(self, table: _Table, ids: list[int]) -> dict[int, dict]:
+        cols = self._columns(table)
+        try:
+            rows = table.read(ids, cols).to_pylist()
+            return {r["sample_id"]: r for r in rows}
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fall back to row by row to find the damaged rows
+            first = str(e).splitlines()[0]
+        out = {}
+        for i in ids:
+            try:
+                (r,) = table.read([i], cols).to_pylist()
+                out[i] = r
+            except Exception as e:  # noqa: BLE001
+                log.warning("store table %s (%s): sample %d unreadable (%s); skipped", table.info.name, table.uri, i,
+                            str(e).splitlines()[0] or first)
+        return out
+
+    def _build(self, plan: dict) -> list[Batch]:
+        table = self._table_ds(plan["table"])
+        bucket, ids, draws, task = plan["bucket"], plan["ids"], plan["draws"], plan["task"]
+        share = bucket.global_batch // self.num_ranks
+        lo = self.rank * share
+        F = table.info.frames
+        mb = bucket.micro_for(F, share)
+        n_micro = -(-share // mb)
+        bounds = [lo + (share * j) // n_micro for j in range(n_micro + 1)]
+        mine = ids[lo:lo + share]
+        rows = self._read_rows(table, mine)
+        missing = [i for i in mine if i not in rows]
+        with self.count_lock:
+            self.read_errors += len(missing)
+            self.samples_read += len(mine)
+        if self.read_errors > self.cfg.data.max_error_rate * self.samples_read:
+            raise UserError(f"store {self.store}: {self.read_errors} of {self.samples_read} samples read were unreadable "
+                            f"(> data.max_error_rate = {self.cfg.data.max_error_rate}); last in table "
+                            f"{table.info.name} ({table.uri}), sample ids {missing[:5]}. Re-run 'difftrain prepare' "
+                            "to rewrite the damaged fragments.")
+        lengths = self._text_lengths(table, plan)
+        out = []
+        for j in range(n_micro):
+            slots = [s for s in range(bounds[j], bounds[j + 1]) if ids[s] in rows]
+            if not slots:
+                raise UserError(f"store table {table.info.name}: a whole micro-batch of step {plan['step']} is "
+                                f"unreadable (sample ids {ids[bounds[j]:bounds[j + 1]][:5]}...)")
+            out.append(self._collate(table, task, [rows[ids[s]] for s in slots], [draws[s] for s in slots],
+                                     [ids[s] for s in slots], lengths))
+        return out
+
+    def _text_lengths(self, table: _Table, plan: dict) -> int:
+        """Text length of the whole global batch (every micro-batch is padded to it)."""
+        if table.info.text_embeddings:
+            lens = table.txt_len[np.searchsorted(table.sorted_ids, np.asarray(plan["ids"], dtype=np.int64))]
+            empty = self.empty_text["txt"].shape[0] if self.empty_text is not None else 1
+            return int(max(empty if d else int(n) for n, (_, d) in zip(lens, plan["draws"])))
+        return -1   # tokenized below, from the captions
+
+    def _collate(self, table: _Table, task: str, rows: list[dict], draws: list, ids: list[int], txt_len: int) -> Batch:
+        shape = table.info.latent_shape
+        B = len(rows)
+        bits = np.stack([np.asarray(r["latents"], dtype=np.uint16 if self.latent_dtype == "bf16" else np.uint32)
+                         for r in rows])
+        lat = st.from_bits(bits, self.latent_dtype).reshape(B, *shape)
+        F = shape[0]
+        prompts = ["" if d else (r["caption"] or "") for r, (_, d) in zip(rows, draws)]
+        if task == "keyframes":
+            targets = torch.tensor([t for t, _ in draws])
+        else:
+            targets = torch.tensor([[True] + [False] * (F - 1)] * B)
+        indices = list(range(F))
+        batch = assemble(lat, indices, targets, {}, prompts, task,
+                         [{"sample_id": i} for i in ids])
+        batch.sample_ids = list(ids)
+        if table.info.text_embeddings:
+            batch.text = self._embeddings(rows, draws, txt_len)
+        elif self.tokenize is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                batch.tokens = self.tokenize(prompts)
+        if self.pin:
+            batch = batch.pin_memory()
+        return batch
+
+    def _embeddings(self, rows: list[dict], draws: list, length: int) -> TextEmbedding:
+        dt = self.latent_dtype
+        txts, pools, masks = [], [], []
+        for r, (_, dropped) in zip(rows, draws):
+            if dropped:
+                t, p = self.empty_text["txt"], self.empty_text["pooled"]
+            else:
+                bits = np.uint16 if dt == "bf16" else np.uint32
+                p = st.from_bits(np.asarray(r["pooled"], dtype=bits), dt)
+                t = st.from_bits(np.asarray(r["txt"], dtype=bits), dt).reshape(int(r["txt_len"]), -1)
+            pad = length - t.shape[0]
+            masks.append(torch.arange(length) < t.shape[0])
+            txts.append(torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad > 0 else t[:length])
+            pools.append(p)
+        return TextEmbedding(torch.stack(txts), torch.stack(pools), torch.stack(masks))
+
+    # ---- iteration -------------------------------------------------------------------------------
+    def _request_cache(self) -> None:
+        if self.cache is None:
+            return
+        current = stage_at(self.stages, self.planned)
+        wanted = [s for s in self.stages[current.index:current.index + 2]]
+        keep = {n for n, t in self.tables.items() if t.info.stage in {s.name for s in wanted}}
+        for name in sorted(keep):
+            t = self.tables[name]
+            if not t.uri.startswith(str(self.cache.dir)):
+                self.cache.request(name, st.table_uri(self.store, name), t.version, keep)
+
+    def _fill(self) -> None:
+        self._request_cache()
+        while len(self.queue) < self.cfg.data.prefetch:
+            plan = self._plan(self.planned)
+            self.planned += 1
+            after = {"step": self.planned, "positions": self._positions()}
+            self.queue.append((after, self.pool.submit(self._build, plan)))
+
+    def __iter__(self) -> "StoreLoader":
+        return self
+
+    def __next__(self) -> list[Batch]:
+        self._fill()
+        after, fut = self.queue.popleft()
+        batches = fut.result()
+        self.step, self._consumed = after["step"], after["positions"]
+        self._fill()
+        return batches
+
+    @property
+    def errors(self) -> int:
+        """Per-sample faults so far: rows lost to damaged fragments and rows unreadable when read."""
+        return self.lost + self.read_errors
+
+    def close(self) -> None:
+        for _, f in self.queue:
+            f.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.cache is not None:
+            self.cache.close()
+
+    # ---- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        positions = self._consumed
+        return {"kind": "store", "step": self.step, "stage": stage_at(self.stages, self.step).name,
+                "positions": positions,
+                "global_batches": {f"{s.name}/{b.name}": b.global_batch for s in self.stages for b in s.buckets},
+                "versions": {n: t.version for n, t in self.tables.items()}, "read_errors": self.read_errors}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "store":
+            raise UserError("the checkpoint's loader state is not a store loader's (it was trained with "
+                            "data.source = 'shapes'); resume with the same data.source")
+        gbs = {f"{s.name}/{b.name}": b.global_batch for s in self.stages for b in s.buckets}
+        if state["global_batches"] != gbs:
+            raise UserError(f"the checkpoint's global batches per bucket {state['global_batches']} differ from this "
+                            f"config's {gbs}: the data order would differ")
+        for name, v in state.get("versions", {}).items():
+            t = self.tables.get(name)
+            if t is not None and t.version != v:
+                log.warning("store table %s is at version %d, the checkpoint read version %d: the sample stream "
+                            "continues by sample id (the same only if the content per id is the same)",
+                            name, t.version, v)
+        for f in self.queue:
+            f[1].cancel()
+        self.queue.clear()
+        self.step = self.planned = int(state["step"])
+        self._check_world(self.step)
+        for streams in self.streams.values():
+            for s in streams:
+                s.epoch, s.pos = state["positions"].get(s.name, [0, 0])
+        self._consumed = self._positions()
+        self.read_errors = int(state.get("read_errors", 0))
