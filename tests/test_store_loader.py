@@ -246,9 +246,11 @@ def test_node_cache_copies_ahead_and_reads_locally(store, tmp_path):
     assert got == reference
     for name in list(loader.cache.jobs):
         loader.cache.jobs[name].result(timeout=60)
-    next(loader)
-    local = [t for t in loader.tables.values() if t.uri.startswith(str(tmp_path / "cache"))]
-    assert local, "no table is read from the node-local cache"
+    for name in loader.tables:            # the next read of each table switches to its completed copy
+        loader._table_ds(name)
+    local = [n for n, t in loader.tables.items() if t.uri.startswith(str(tmp_path / "cache"))]
+    assert set(local) == set(loader.cache.jobs), "tables copied but not read from the node-local cache"
+    assert run(loader, 4) == run_ranks(make_cfg(store), 1, 14)[0][10:14]
     cached = list((tmp_path / "cache").glob("*.lance"))
     assert {p.name.split("@")[0] for p in cached} >= {"high__32x32__t2i", "low__16x16__t2i"}
     loader.close()

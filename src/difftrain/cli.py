@@ -90,6 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_set(p)
 
+    p = sub.add_parser("prepare", help="curate raw image-caption data and encode it into the latent store",
+                       description="List data.sources, read facts and apply data.filters (every input row lands in "
+                                   "STORE/curation.parquet with its outcome and reason), then encode the kept samples "
+                                   "into Lance tables per (stage, bucket, task) on Ray Data. Resumable: a re-run only "
+                                   "encodes what is missing.")
+    p.add_argument("config", help="config path or preset name")
+    p.add_argument("--dry-run", action="store_true", help="print the counts per outcome and reason; encode nothing")
+    p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start Ray locally)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write tables whose cache key differs as new Lance versions instead of refusing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_set(p)
+
+    p = sub.add_parser("shapes", help="the shapes world as files", description="The shapes world as a dataset.")
+    ssub = p.add_subparsers(dest="shapes_verb", required=True, metavar="ACTION")
+    ex = ssub.add_parser("export", help="write the shapes world as raw files (images, captions, edits, clips)")
+    ex.add_argument("dir", help="output directory")
+    ex.add_argument("--seed", type=int, default=0, help="world seed (default 0)")
+    ex.add_argument("--n", type=int, nargs=3, default=None, metavar=("T2I", "EDIT", "KEYFRAMES"),
+                    help="examples per task")
+
     p = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
     csub = p.add_subparsers(dest="config_verb", required=True, metavar="ACTION")
     show = csub.add_parser("show", help="print the resolved config and the model's parameter count")
@@ -219,6 +240,35 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    from difftrain.config import load_config
+    from difftrain.data.prepare import prepare
+
+    cfg = load_config(resolve_config(args.config), args.overrides)
+    summary = prepare(cfg, dry_run=args.dry_run, ray_address=args.ray_address, overwrite=args.overwrite,
+                      progress=not args.no_progress)
+    summary.pop("facts_pids", None)
+    summary.pop("write_pids", None)
+    if args.dry_run:
+        width = max([len(r) for r in summary["reasons"]] + [8])
+        for reason, n in sorted(summary["reasons"].items(), key=lambda kv: -kv[1]):
+            print(f"{reason:{width}s} {n}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_shapes(args) -> int:
+    from difftrain.data.shapes_export import export_shapes
+
+    kwargs = {"seed": args.seed}
+    if args.n is not None:
+        if min(args.n) < 0:
+            raise UserError(f"--n {args.n}: expected counts >= 0")
+        kwargs["n"] = tuple(args.n)
+    print(json.dumps(export_shapes(args.dir, **kwargs)))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from difftrain.demo import run_demo
 
@@ -242,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         warnings.showwarning = _short_warnings
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo}
+    verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo,
+             "prepare": cmd_prepare, "shapes": cmd_shapes}
     try:
         return verbs[args.verb](args)
     except UserError as e:

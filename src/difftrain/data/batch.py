@@ -57,13 +57,26 @@ def assemble(latents_BFCHW: Tensor, indices: list[int], target_BF: Tensor, token
     if len(indices) != F or tuple(target_BF.shape) != (B, F):
         raise ValueError(f"{F} frames need {F} indices and a ({B}, {F}) target mask; "
                          f"got {len(indices)} and {tuple(target_BF.shape)}")
+    x = patchify(latents_BFCHW.reshape(B * F, C, H, W)).reshape(B, F, (H // 2) * (W // 2), C * 4)
+    return assemble_packed(x, H, W, indices, target_BF, tokens, prompts, task, meta)
+
+
+def assemble_packed(tokens_BFLC: Tensor, H: int, W: int, indices: list[int], target_BF: Tensor,
+                    tokens: dict[str, Tensor], prompts: list[str], task: str, meta: list[dict] | None = None) -> Batch:
+    """``assemble`` for latents already packed in 2x2 patches, frame by frame ((B, F, H/2 * W/2, C*4), as the
+    latent store keeps them): a reshape, no copy."""
+    B, F, L, Cp = tokens_BFLC.shape
+    h, w = H // 2, W // 2
+    if L != h * w or len(indices) != F or tuple(target_BF.shape) != (B, F):
+        raise ValueError(f"packed latents {tuple(tokens_BFLC.shape)} do not match a {H}x{W} latent with {F} "
+                         f"frames, {len(indices)} indices and a {tuple(target_BF.shape)} target mask")
     if not bool(target_BF.any(1).all()):
         raise ValueError("every example needs at least one target frame")
-    h, w = H // 2, W // 2
-    x = patchify(latents_BFCHW.reshape(B * F, C, H, W)).reshape(B, F * h * w, C * 4)
-    ids = torch.cat([image_ids(h, w, i, latents_BFCHW.device) for i in indices]).expand(B, -1, -1)
-    mask = target_BF.to(latents_BFCHW.device).repeat_interleave(h * w, dim=1)
-    return Batch(x, ids.contiguous(), mask, tokens, prompts, (F, H, W), task, meta or [])
+    dev = tokens_BFLC.device
+    ids = torch.cat([image_ids(h, w, i, dev) for i in indices]).expand(B, -1, -1)
+    mask = target_BF.to(dev).repeat_interleave(L, dim=1)
+    return Batch(tokens_BFLC.reshape(B, F * L, Cp), ids.contiguous(), mask, tokens, prompts, (F, H, W), task,
+                 meta or [])
 
 
 def frames_of(tokens_BLC: Tensor, grid: tuple[int, int, int]) -> Tensor:

@@ -8,7 +8,8 @@ Layout under the store URI (a local path or any URI Lance and fsspec both read: 
 
 A task fixes the frames per example (t2i 1, edit 2: target then reference, keyframes K), so every latent
 column is fixed-shape: ``latents`` is a fixed-size list of uint16 holding F x C x h x w values, bf16 kept
-as its raw 16-bit pattern (Arrow has no bf16) or fp32 as uint32 bits. Text is kept as the caption
+as its raw 16-bit pattern (Arrow has no bf16) or fp32 as uint32 bits, in token order (each frame packed
+in 2x2 patches as the model reads it, ``difftrain.tokens.patchify``), so serving a batch is a reshape. Text is kept as the caption
 (encoders trained with the model tokenize it when reading) or, for frozen encoders, as embeddings at their
 true length (``txt``: T x D values, ``txt_len`` = T; ``pooled``): a 512 x 4096 T5 embedding padded is 8x a
 1024^2 latent. Index columns: sample_id, source, key, caption, orig_h, orig_w, crop (top, left, h, w of
@@ -93,7 +94,7 @@ def encoder_identity(cfg) -> dict[str, Any]:
 
 
 def cache_key(cfg, stage, bucket, task: str) -> dict[str, Any]:
-    return {"format": FORMAT, **encoder_identity(cfg), "bucket": [bucket.h, bucket.w], "task": task,
+    return {"format": FORMAT, **encoder_identity(cfg), "bucket": [bucket.h, bucket.w], "task": task, "layout": "tokens-2x2",
             "frames": task_frames(task, cfg.data.frames), "crop": stage.crop, "resize": RESIZE,
             "latent_dtype": cfg.data.latent_dtype}
 
@@ -151,10 +152,12 @@ def to_bits(x: torch.Tensor, dtype: str) -> np.ndarray:
     return x.detach().float().contiguous().numpy().view(np.uint32).reshape(-1)
 
 
-def from_bits(a: np.ndarray, dtype: str) -> torch.Tensor:
-    """Inverse of ``to_bits`` to float32."""
+def from_bits(a: np.ndarray, dtype: str, keep: bool = False) -> torch.Tensor:
+    """Inverse of ``to_bits``: float32, or with ``keep`` the stored dtype itself (bf16 without a conversion:
+    half the bytes to pack and to copy to the GPU, where the trainer widens it)."""
     if dtype == "bf16":
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).float()
+        x = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+        return x if keep else x.float()
     return torch.from_numpy(np.ascontiguousarray(a).view(np.float32).copy())
 
 
@@ -229,6 +232,12 @@ def check_store(store: str, cfg, stages) -> tuple[dict, dict[str, TableInfo]]:
     return manifest, tables
 
 
+def pack(latents_FCHW: torch.Tensor) -> torch.Tensor:
+    """(F, C, h, w) latents in the store's token order: (F, h/2 * w/2, C * 4)."""
+    from difftrain.tokens import patchify
+    return patchify(latents_FCHW)
+
+
 def write_table(store: str, info: TableInfo, rows: dict, dtype: str = "bf16", mode: str = "append") -> int:
     """Write rows {column: list} (``latents`` as float arrays of ``info.latent_shape``) to a table directly,
     without the prepare pipeline (benchmarks, tests, importing latents encoded elsewhere); records the
@@ -236,7 +245,8 @@ def write_table(store: str, info: TableInfo, rows: dict, dtype: str = "bf16", mo
     import lance
 
     n_val = int(np.prod(info.latent_shape))
-    lat = np.concatenate([to_bits(torch.as_tensor(np.asarray(x, dtype=np.float32)), dtype) for x in rows["latents"]])
+    lat = np.concatenate([to_bits(pack(torch.as_tensor(np.asarray(x, dtype=np.float32))), dtype)
+                          for x in rows["latents"]])
     n = len(rows["sample_id"])
     cols = {
         "sample_id": pa.array(rows["sample_id"], pa.int64()),

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from difftrain.data import store as st
-from difftrain.data.batch import Batch, assemble
+from difftrain.data.batch import Batch, assemble_packed
 from difftrain.data.curriculum import Stage, parse_stages, stage_at
 from difftrain.errors import UserError
 from difftrain.models.text import TextEmbedding, pad_tokens
@@ -360,11 +360,30 @@ class StoreLoader:
     def _columns(self, table: _Table) -> list[str]:
         return ["sample_id", "caption", "latents"] + (["txt", "txt_len", "pooled"] if table.info.text_embeddings else [])
 
+    @staticmethod
+    def _rows(t) -> dict[int, dict]:
+        """An Arrow table of store rows as {sample_id: row}, latents as numpy views (no Python lists)."""
+        n = t.num_rows
+        if n == 0:
+            return {}
+        ids = t["sample_id"].to_numpy()
+        lat = t["latents"].combine_chunks()
+        values = lat.flatten().to_numpy(zero_copy_only=False).reshape(n, -1)
+        captions = t["caption"].to_pylist()
+        rows = {int(ids[i]): {"latents": values[i], "caption": captions[i]} for i in range(n)}
+        if "txt" in t.column_names:
+            txt, pooled, lens = t["txt"].combine_chunks(), t["pooled"].combine_chunks(), t["txt_len"].to_numpy()
+            for i in range(n):
+                r = rows[int(ids[i])]
+                r["txt"] = txt[i].values.to_numpy(zero_copy_only=False)
+                r["pooled"] = pooled[i].values.to_numpy(zero_copy_only=False)
+                r["txt_len"] = int(lens[i])
+        return rows
+
     def _read_rows(self, table: _Table, ids: list[int]) -> dict[int, dict]:
         cols = self._columns(table)
         try:
-            rows = table.read(ids, cols).to_pylist()
-            return {r["sample_id"]: r for r in rows}
+            return self._rows(table.read(ids, cols))
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - fall back to row by row to find the damaged rows
@@ -372,8 +391,7 @@ class StoreLoader:
         out = {}
         for i in ids:
             try:
-                (r,) = table.read([i], cols).to_pylist()
-                out[i] = r
+                out.update(self._rows(table.read([i], cols)))
             except Exception as e:  # noqa: BLE001
                 log.warning("store table %s (%s): sample %d unreadable (%s); skipped", table.info.name, table.uri, i,
                             str(e).splitlines()[0] or first)
@@ -421,18 +439,17 @@ class StoreLoader:
     def _collate(self, table: _Table, task: str, rows: list[dict], draws: list, ids: list[int], txt_len: int) -> Batch:
         shape = table.info.latent_shape
         B = len(rows)
-        bits = np.stack([np.asarray(r["latents"], dtype=np.uint16 if self.latent_dtype == "bf16" else np.uint32)
-                         for r in rows])
-        lat = st.from_bits(bits, self.latent_dtype).reshape(B, *shape)
-        F = shape[0]
+        bits = np.stack([r["latents"] for r in rows])
+        F, C, h, w = shape
+        # stored in token order: a reshape; bf16 stays bf16 (widened on the device)
+        lat = st.from_bits(bits, self.latent_dtype, keep=True).reshape(B, F, (h // 2) * (w // 2), C * 4)
         prompts = ["" if d else (r["caption"] or "") for r, (_, d) in zip(rows, draws)]
         if task == "keyframes":
             targets = torch.tensor([t for t, _ in draws])
         else:
             targets = torch.tensor([[True] + [False] * (F - 1)] * B)
         indices = list(range(F))
-        batch = assemble(lat, indices, targets, {}, prompts, task,
-                         [{"sample_id": i} for i in ids])
+        batch = assemble_packed(lat, h, w, indices, targets, {}, prompts, task, [{"sample_id": i} for i in ids])
         batch.sample_ids = list(ids)
         if table.info.text_embeddings:
             batch.text = self._embeddings(rows, draws, txt_len)

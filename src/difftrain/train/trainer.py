@@ -178,6 +178,7 @@ class Trainer:
     def _forward_loss(self, batch: Batch, normalizer: float) -> tuple[torch.Tensor, int, float]:
         """One micro-batch: (loss contribution, real tokens, training FLOPs) of this rank's part."""
         b = batch.to(self.device, non_blocking=True)
+        b.x0_BLC = b.x0_BLC.float()      # the store serves bf16 latents as stored; widened on the device
         B = len(b)
         _, H, W = b.grid
         cp, r = self.env.cp, self.env.cp_rank

@@ -1,0 +1,210 @@
+"""The data path's figures, one JSON object.
+
+1. ``read_bandwidth_ratio``: a store of FLUX-sized latents (16 x 128 x 128 bf16 = 512 KiB, a 1024^2
+   image) read by the store loader with shuffled reads (samples/s x bytes per sample) over the raw
+   sequential read bandwidth of the same store files, same disk, same run. The page cache is dropped
+   for those files (``posix_fadvise(DONTNEED)`` after ``fsync``) before each of the two reads: both are
+   cold unless the kernel ignores the advice (``page_cache`` says what was done).
+2. ``vs_on_the_fly_ratio``: loader samples/s over an on-the-fly pipeline (PNG decode + resize + crop +
+   encode with a diffusers ``AutoencoderKL`` in FLUX's configuration, random weights) at 256^2 on the
+   same images.
+3. With ``--train`` (needs Ray): ``difftrain shapes export`` -> ``prepare`` (``prepare_images_per_s``,
+   ``store_bytes_per_sample``) -> training shapes-tiny from the store (``data_wait_fraction``: data wait
+   over step time, from the run's metrics).
+
+    python bench/loader.py [--n 1024] [--train]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from difftrain.config.load import from_dict
+from difftrain.data import store as st
+from difftrain.data.curriculum import parse_stages
+
+
+def drop_cache(root: Path) -> None:
+    for f in root.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def raw_read_bandwidth(root: Path) -> tuple[float, int]:
+    total, t0 = 0, time.perf_counter()
+    for f in sorted(p for p in root.rglob("*.lance") if p.is_file()):
+        with open(f, "rb", buffering=0) as fh:
+            while chunk := fh.read(8 << 20):
+                total += len(chunk)
+    return total / (time.perf_counter() - t0), total
+
+
+def vae_dir(root: Path) -> str:
+    """A diffusers AutoencoderKL in FLUX's configuration (16 latent channels, x8), random weights."""
+    from diffusers import AutoencoderKL
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        block_out_channels=(128, 256, 512, 512), layers_per_block=2, use_quant_conv=False,
+                        use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)
+    path = root / "vae"
+    vae.save_pretrained(path)
+    return str(path)
+
+
+def cfg_for(store: str, vae: str, side: int, global_batch: int, threads: int, prefetch: int):
+    return from_dict({"autoencoder": {"kind": "diffusers", "path": vae},
+                      "data": {"source": "store", "store": store, "read_threads": threads, "prefetch": prefetch,
+                               "caption_dropout": 0.0, "stages": [{"name": "s", "start_step": 0,
+                                                                   "buckets": [[side, side]],
+                                                                   "global_batch": global_batch}]},
+                      "train": {"global_batch": global_batch}})
+
+
+def write_store(store: str, cfg, n: int, latents=None) -> st.TableInfo:
+    stage = parse_stages(cfg)[0]
+    b = stage.buckets[0]
+    shape = [1, 16, b.h // 8, b.w // 8]
+    info = st.TableInfo(st.table_name(stage.name, b.name, "t2i"), stage.name, b.name, "t2i", 1, shape,
+                        st.cache_key(cfg, stage, b, "t2i"), False)
+    rng = np.random.default_rng(0)
+    chunk = 128
+    for lo in range(0, n, chunk):
+        k = min(chunk, n - lo)
+        lat = latents[lo:lo + k] if latents is not None else [rng.standard_normal(shape, dtype=np.float32) for _ in range(k)]
+        st.write_table(store, info, {"sample_id": list(range(lo, lo + k)), "latents": lat,
+                                              "caption": [f"a photo number {i}" for i in range(lo, lo + k)]})
+    return info
+
+
+
+def loader_rate(cfg, steps: int) -> float:
+    from difftrain.data.store_loader import StoreLoader
+    loader = StoreLoader(cfg, lambda p: {"ids": torch.zeros(len(p), 1, dtype=torch.long)})
+    next(loader)                          # open, first fill
+    t0, n = time.perf_counter(), 0
+    for _ in range(steps):
+        n += sum(len(b) for b in next(loader))
+    rate = n / (time.perf_counter() - t0)
+    loader.close()
+    return rate
+
+
+def bandwidth_part(root: Path, vae: str, n: int, threads: int) -> dict:
+    store = str(root / "store1024")
+    cfg = cfg_for(store, vae, 1024, 16, threads, 8)
+    write_store(store, cfg, n)
+    tables = Path(store) / "tables"
+    drop_cache(tables)
+    bw, total = raw_read_bandwidth(tables)
+    drop_cache(tables)
+    steps = max(4, n // 16 - 2)
+    rate = loader_rate(cfg, steps)
+    per_sample = 16 * 128 * 128 * 2
+    return {"samples": n, "store_bytes": total, "bytes_per_sample_1024": per_sample,
+            "raw_read_mb_s": round(bw / 1e6, 1), "loader_samples_per_s_1024": round(rate, 1),
+            "loader_mb_s": round(rate * per_sample / 1e6, 1), "read_bandwidth_ratio": round(rate * per_sample / bw, 3),
+            "page_cache": "dropped for the store files (fsync + posix_fadvise DONTNEED) before each read"}
+
+
+def on_the_fly_part(root: Path, vae_path: str, n_images: int, threads: int) -> dict:
+    from PIL import Image
+
+    from difftrain.data.prepare import resize_cover_crop
+    from difftrain.models.autoencoder import DiffusersAE
+
+    rng = np.random.default_rng(1)
+    pngs = []
+    for i in range(n_images):         # 384 x 320 photographs stand-ins: smooth gradients plus noise
+        yy, xx = np.mgrid[0:320, 0:384]
+        img = (np.stack([xx * 0.5 + i, yy * 0.7, (xx + yy) * 0.3], -1) % 256 + rng.normal(0, 8, (320, 384, 3)))
+        buf = io.BytesIO()
+        Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    ae = DiffusersAE.from_path(vae_path).eval()
+    torch.set_num_threads(os.cpu_count() or 2)
+
+    def encode(data: bytes) -> torch.Tensor:
+        with Image.open(io.BytesIO(data)) as img:
+            arr, _ = resize_cover_crop(img, 256, 256, "center", 0)
+        x = torch.from_numpy(arr).float().div(127.5).sub(1).permute(2, 0, 1)[None]
+        with torch.no_grad():
+            return ae.encode(x)[0]
+
+    encode(pngs[0])
+    t0 = time.perf_counter()
+    latents = [encode(p).numpy()[None] for p in pngs]
+    fly = n_images / (time.perf_counter() - t0)
+    store = str(root / "store256")
+    cfg = cfg_for(store, vae_path, 256, 8, threads, 8)
+    reps = max(1, 256 // n_images)
+    write_store(store, cfg, n_images * reps, [latents[i % n_images] for i in range(n_images * reps)])
+    drop_cache(Path(store) / "tables")
+    rate = loader_rate(cfg, max(4, n_images * reps // 8 - 2))
+    return {"on_the_fly_images_per_s_256": round(fly, 2), "loader_samples_per_s_256": round(rate, 1),
+            "vs_on_the_fly_ratio": round(rate / fly, 1)}
+
+
+def train_part(root: Path) -> dict:
+    import subprocess
+    import sys
+
+    exp = root / "shapes"
+    subprocess.run([sys.executable, "-m", "difftrain.cli", "shapes", "export", str(exp)], check=True,
+                   stdout=subprocess.DEVNULL)
+    store = root / "shapes-store"
+    cfg_path = root / "store.toml"
+    cfg_path.write_text(Path(__file__).with_name("loader_store.toml").read_text()
+                        .replace("@EXPORT@", str(exp)).replace("@STORE@", str(store)))
+    out = subprocess.run([sys.executable, "-m", "difftrain.cli", "prepare", str(cfg_path), "--no-progress"],
+                         check=True, capture_output=True, text=True)
+    prep = json.loads(out.stdout.strip().splitlines()[-1])
+    store_bytes = sum(f.stat().st_size for f in (store / "tables").rglob("*") if f.is_file())
+    run_dir = root / "run"
+    subprocess.run([sys.executable, "-m", "difftrain.cli", "train", str(cfg_path), "--run-dir", str(run_dir),
+                    "--no-progress", "--set", "train.steps=300", "--set", "train.log_every=1",
+                    "--set", "train.checkpoint_every=0"], check=True, capture_output=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "data_s" in r][10:]          # past start-up
+    wait = sum(r["data_s"] for r in rows)
+    total = sum(r["data_s"] + r["step_s"] for r in rows)
+    return {"prepare_images_per_s": prep["images_per_s"], "prepare_inputs": prep["inputs"], "prepare_kept": prep["kept"],
+            "prepare_encoded_rows": prep["encoded"], "store_bytes_per_sample": round(store_bytes / max(1, prep["encoded"])),
+            "data_wait_fraction": round(wait / total, 4), "train_steps_measured": len(rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=1024, help="samples in the 1024^2 store (512 KiB each)")
+    ap.add_argument("--fly", type=int, default=24, help="images for the on-the-fly comparison")
+    ap.add_argument("--threads", type=int, default=4, help="loader read threads")
+    ap.add_argument("--train", action="store_true", help="also export -> prepare -> train from the store")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        vae = vae_dir(root)
+        out = {}
+        out.update(bandwidth_part(root, vae, args.n, args.threads))
+        out.update(on_the_fly_part(root, vae, args.fly, args.threads))
+        if args.train:
+            out.update(train_part(root))
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""``difftrain prepare`` on Ray Data, and the whole path on the exported shapes world:
+export -> prepare (filters with reasons, buckets, Lance tables) -> train through a two-stage curriculum
+from the store -> eval. One local Ray for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lance
+import numpy as np
+import pytest
+import torch
+
+from difftrain.config import load_config, preset_path
+from difftrain.data import store as st
+from difftrain.data.curate import read_record
+from difftrain.data.prepare import prepare, resize_cover_crop
+from difftrain.data.shapes_export import export_shapes
+from difftrain.errors import UserError
+
+from conftest import TINY
+
+pytestmark = pytest.mark.slow
+
+STAGES = ('[{name = "low", start_step = 0, buckets = [[32, 32], [32, 48], [48, 32]], global_batch = 8}, '
+          '{name = "high", start_step = 6, buckets = [[64, 64], [64, 80], [80, 64]], global_batch = 8, '
+          'micro_cost = 64}]')
+
+
+def shapes_cfg(export: Path, store: Path, *extra: str):
+    sources = ("[" + ", ".join([
+        f'{{name = "shapes_t2i", kind = "folder", path = "{export}/t2i"}}',
+        f'{{name = "shapes_t2i_shards", kind = "webdataset", path = "{export}/shards"}}',
+        f'{{name = "shapes_edit", kind = "manifest", task = "edit", path = "{export}/edit/manifest.jsonl"}}',
+        f'{{name = "shapes_keyframes", kind = "keyframes", path = "{export}/keyframes"}}']) + "]")
+    return load_config(preset_path("shapes-store"), TINY + [
+        "autoencoder.factor=8", f"data.sources={sources}", f"data.store={store}", f"data.stages={STAGES}",
+        "data.image_size=32", "data.world_size=64", *extra])
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    from difftrain.data.prepare import start_ray
+    ray = start_ray()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    export_shapes(root, n=(48, 32, 24), sizes=(32, 64), frames=3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def prepared(ray_local, export, tmp_path_factory):
+    store = tmp_path_factory.mktemp("stores") / "full"
+    cfg = shapes_cfg(export, store)
+    return cfg, prepare(cfg, progress=False, commit_every=16)
+
+
+def table_content(store: str) -> dict[str, dict[int, bytes]]:
+    out = {}
+    for name in (st.read_manifest(store) or {"tables": {}})["tables"]:
+        t = lance.dataset(st.table_uri(store, name)).to_table(columns=["sample_id", "latents"])
+        out[name] = {int(i): np.asarray(v, dtype=np.uint16).tobytes()
+                     for i, v in zip(t["sample_id"].to_pylist(), t["latents"].to_pylist())}
+    return out
+
+
+def test_every_input_row_is_in_the_record_with_its_reason(prepared, export):
+    cfg, summary = prepared
+    rec = read_record(f"{cfg.data.store}/curation.parquet").to_pylist()
+    assert len(rec) == summary["inputs"] > 0
+    info = json.loads((export / "export.json").read_text())
+    assert summary["kept"] == sum(r["outcome"] == "kept" for r in rec)
+    reasons = {r["reason"].split(":")[0] for r in rec if r["outcome"] == "dropped"}
+    assert {"decode", "score", "size", "exact_dup", "caption"} <= reasons, reasons
+    for r in rec:
+        assert (r["outcome"] == "kept") == (r["reason"] == ""), r
+    assert info                                              # the export described what it planted
+    # Ray really ran the work: facts in tasks, fragments written in tasks, none in this process
+    assert summary["facts_pids"] and os.getpid() not in summary["facts_pids"]
+    assert summary["write_pids"] and os.getpid() not in summary["write_pids"]
+
+
+def test_dry_run_counts_without_encoding(ray_local, export, tmp_path, prepared):
+    cfg = shapes_cfg(export, tmp_path / "dry")
+    summary = prepare(cfg, dry_run=True, progress=False)
+    assert summary["reasons"] == prepared[1]["reasons"]
+    assert not (tmp_path / "dry").exists()
+
+
+def test_tables_hold_buckets_with_divisible_sides_and_the_crop(prepared, export):
+    cfg, summary = prepared
+    store = cfg.data.store
+    manifest = st.read_manifest(store)
+    rec = {r["sample_id"]: r for r in read_record(f"{store}/curation.parquet").to_pylist()}
+    kept = {i for i, r in rec.items() if r["outcome"] == "kept"}
+    seen: dict[str, set[int]] = {"low": set(), "high": set()}
+    for name, info in manifest["tables"].items():
+        stage, bucket, task = name.split("/")
+        h, w = (int(v) for v in bucket.split("x"))
+        assert h % 16 == 0 and w % 16 == 0
+        t = lance.dataset(st.table_uri(store, name)).to_table()
+        ids = t["sample_id"].to_pylist()
+        assert set(ids) <= kept and len(set(ids)) == len(ids)
+        seen[stage] |= set(ids)
+        assert info["latent_shape"] == [st.task_frames(task, 3), 192, h // 8, w // 8]
+        # a t2i row decodes back to the resized, cropped image (pixel-unshuffle is exact; bf16 rounds)
+        if task == "t2i":
+            from PIL import Image
+            from difftrain.data.ingest import read_ref
+            import io
+            sid, lat = ids[0], np.asarray(t["latents"][0].values.to_numpy(zero_copy_only=False))
+            x = st.from_bits(lat, "bf16").reshape(1, (h // 16) * (w // 16), 192 * 4)
+            from difftrain.tokens import unpatchify
+            img = torch.nn.functional.pixel_shuffle(unpatchify(x, h // 8, w // 8), 8)[0]
+            with Image.open(io.BytesIO(read_ref(rec[sid]["refs"][0]))) as im:
+                want, box = resize_cover_crop(im, h, w, "center", sid)
+            got = ((img.permute(1, 2, 0) + 1) * 127.5).numpy()
+            assert np.abs(got - want).max() <= 1.0
+            assert t["crop"][0].as_py() == box
+    assert seen["low"] == kept and seen["high"] == kept      # every kept sample in one bucket of each stage
+
+
+def test_killed_prepare_resumes_to_the_same_content(ray_local, export, tmp_path, prepared):
+    cfg = shapes_cfg(export, tmp_path / "resumed")
+    partial = prepare(cfg, progress=False, commit_every=8, limit=40)            # stops as a killed run would
+    assert 0 < partial["encoded"] < prepared[1]["encoded"]
+    done = prepare(cfg, progress=False, commit_every=8)
+    assert done["encoded"] + partial["encoded"] >= prepared[1]["encoded"]
+    assert table_content(str(tmp_path / "resumed")) == table_content(prepared[0].data.store)
+    again = prepare(cfg, progress=False)
+    assert again["encoded"] == 0                                              # nothing left to do
+
+
+def test_store_with_other_settings_is_refused_and_left_intact(ray_local, export, prepared):
+    store = prepared[0].data.store
+    before = {n: lance.dataset(st.table_uri(store, n)).version for n in st.read_manifest(store)["tables"]}
+    cfg = shapes_cfg(export, Path(store), "data.latent_dtype=fp32")
+    with pytest.raises(UserError, match=r"latent_dtype: store has 'bf16', this config has 'fp32'"):
+        prepare(cfg, progress=False)
+    after = {n: lance.dataset(st.table_uri(store, n)).version for n in st.read_manifest(store)["tables"]}
+    assert before == after
+
+
+def test_error_rate_stops_before_writing(ray_local, export, tmp_path):
+    cfg = shapes_cfg(export, tmp_path / "strict", "data.max_error_rate=0.0")
+    with pytest.raises(UserError, match=r"could not be read or decoded.*curation.parquet"):
+        prepare(cfg, progress=False)
+    assert (tmp_path / "strict" / "curation.parquet").exists()
+    assert not (tmp_path / "strict" / "tables").exists()
+
+
+def test_train_from_the_store_through_the_curriculum_then_eval(prepared, tmp_path):
+    from difftrain.data.shapes import ShapesWorld
+    from difftrain.evaluate import evaluate
+    from difftrain.train.trainer import Trainer
+
+    cfg, _ = prepared
+    cfg.train.steps, cfg.train.checkpoint_every, cfg.train.log_every = 10, 0, 1
+    trainer = Trainer(cfg, tmp_path / "run")
+    grids = []
+    trainer.fit(lambda step, total, stats: None)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    seqs = [(r["step"], r["seq"][0]) for r in rows if "seq" in r]
+    low = {s for step, s in seqs if step <= 6}
+    high = {s for step, s in seqs if step > 6}
+    assert low and high and max(low) < min(high), seqs          # the switch to 64/80-pixel buckets at step 6
+    assert trainer.loader.state_dict()["stage"] == "high"
+    metrics, _ = evaluate(trainer.pipeline(), ShapesWorld(cfg.eval.seed, 32, 3), 2, 2, 1.5)
+    assert 0.0 <= metrics["t2i_color_acc"] <= 1.0
+    trainer.close()
+    del grids
