@@ -201,7 +201,6 @@ def _write_batch(batch: dict, store: str, tables: dict) -> dict:
             dtype = str(batch["latent_dtype"][rows[0]])
             bits = np.uint16 if dtype == "bf16" else np.uint32
             n_val = int(np.prod(info["latent_shape"]))
-            lat = np.concatenate([np.frombuffer(batch["latents"][i], bits) for i in rows])
             cols = {
                 "sample_id": pa.array([int(batch["sample_id"][i]) for i in rows], pa.int64()),
                 "source": pa.array([str(batch["source"][i]) for i in rows]),
@@ -211,7 +210,7 @@ def _write_batch(batch: dict, store: str, tables: dict) -> dict:
                 "orig_w": pa.array([int(batch["orig"][i][1]) for i in rows], pa.int32()),
                 "crop": pa.array([[int(v) for v in batch["crop_box"][i]] for i in rows], pa.list_(pa.int32(), 4)),
                 "scores": pa.array([str(batch["scores"][i]) for i in rows]),
-                "latents": pa.FixedSizeListArray.from_arrays(pa.array(lat), n_val),
+                "latents": pa.array([batch["latents"][i] for i in rows], pa.large_binary()),
             }
             if info["text_embeddings"]:
                 cols["txt"] = pa.array([np.frombuffer(batch["txt"][i], bits) for i in rows],

@@ -7,8 +7,8 @@ Layout under the store URI (a local path or any URI Lance and fsspec both read: 
     tables/<stage>/<h>x<w>/<task>.lance        Lance datasets
 
 A task fixes the frames per example (t2i 1, edit 2: target then reference, keyframes K), so every latent
-column is fixed-shape: ``latents`` is a fixed-size list of uint16 holding F x C x h x w values, bf16 kept
-as its raw 16-bit pattern (Arrow has no bf16) or fp32 as uint32 bits, in token order (each frame packed
+column is fixed-shape: ``latents`` (a Lance blob column) holds F x C x h x w values, bf16 kept as its raw
+16-bit pattern (Arrow has no bf16) or fp32 as 32-bit patterns, in token order (each frame packed
 in 2x2 patches as the model reads it, ``difftrain.tokens.patchify``), so serving a batch is a reshape. Text is kept as the caption
 (encoders trained with the model tokenize it when reading) or, for frozen encoders, as embeddings at their
 true length (``txt``: T x D values, ``txt_len`` = T; ``pooled``): a 512 x 4096 T5 embedding padded is 8x a
@@ -165,10 +165,15 @@ def schema(latent_values: int, dtype: str, text_embeddings: bool) -> pa.Schema:
     bits = pa.uint16() if dtype == "bf16" else pa.uint32()
     fields = [("sample_id", pa.int64()), ("source", pa.string()), ("key", pa.string()), ("caption", pa.string()),
               ("orig_h", pa.int32()), ("orig_w", pa.int32()), ("crop", pa.list_(pa.int32(), 4)),
-              ("scores", pa.string()), ("latents", pa.list_(bits, latent_values))]
+              ("scores", pa.string())]
     if text_embeddings:
         fields += [("txt", pa.large_list(bits)), ("txt_len", pa.int32()), ("pooled", pa.list_(bits))]
-    return pa.schema(fields)
+    # Latents are a Lance blob column: stored out of line and read by ``take_blobs`` straight into the batch
+    # buffer (measured 3x the throughput of a fixed-size-list column on shuffled reads, bench/loader.py).
+    # ``latent_values`` values of 2 (bf16) or 4 (fp32) bytes each.
+    latents = pa.field("latents", pa.large_binary(), metadata={"lance-encoding:blob": "true",
+                                                               "difftrain:values": str(latent_values)})
+    return pa.schema([pa.field(n, t) for n, t in fields] + [latents])
 
 
 @dataclass
@@ -257,7 +262,7 @@ def write_table(store: str, info: TableInfo, rows: dict, dtype: str = "bf16", mo
         "orig_w": pa.array(rows.get("orig_w", [info.latent_shape[3]] * n), pa.int32()),
         "crop": pa.array(rows.get("crop", [[0, 0, 0, 0]] * n), pa.list_(pa.int32(), 4)),
         "scores": pa.array(rows.get("scores", ["{}"] * n)),
-        "latents": pa.FixedSizeListArray.from_arrays(pa.array(lat), n_val),
+        "latents": pa.array([r.tobytes() for r in lat.reshape(n, n_val)], pa.large_binary()),
     }
     sch = schema(n_val, dtype, False)
     uri = table_uri(store, info.name)

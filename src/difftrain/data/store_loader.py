@@ -358,32 +358,41 @@ class StoreLoader:
         return t
 
     def _columns(self, table: _Table) -> list[str]:
-        return ["sample_id", "caption", "latents"] + (["txt", "txt_len", "pooled"] if table.info.text_embeddings else [])
+        return ["sample_id", "caption"] + (["txt", "txt_len", "pooled"] if table.info.text_embeddings else [])
 
-    @staticmethod
-    def _rows(t) -> dict[int, dict]:
-        """An Arrow table of store rows as {sample_id: row}, latents as numpy views (no Python lists)."""
+    def _rows(self, table: _Table, ids: list[int]) -> dict[int, dict]:
+        """Rows by sample id: index columns by ``take``, latents by ``take_blobs`` read straight into one
+        buffer (no Python lists, one copy from the file)."""
+        rows_idx = table.row_of(ids).tolist()
+        t = table.ds.take(rows_idx, columns=self._columns(table))
         n = t.num_rows
         if n == 0:
             return {}
-        ids = t["sample_id"].to_numpy()
-        lat = t["latents"].combine_chunks()
-        values = lat.flatten().to_numpy(zero_copy_only=False).reshape(n, -1)
+        got = t["sample_id"].to_numpy()
+        if got.tolist() != list(ids):
+            raise RuntimeError(f"rows of {table.info.name} came back out of order")
+        bits = np.uint16 if self.latent_dtype == "bf16" else np.uint32
+        values = int(np.prod(table.info.latent_shape))
+        buf = np.empty((n, values), dtype=bits)
+        for j, blob in enumerate(table.ds.take_blobs("latents", indices=rows_idx)):
+            with blob:
+                view = memoryview(buf[j]).cast("B")
+                if blob.readinto(view) != view.nbytes:
+                    raise ValueError(f"sample {ids[j]}: latent blob shorter than {view.nbytes} bytes")
         captions = t["caption"].to_pylist()
-        rows = {int(ids[i]): {"latents": values[i], "caption": captions[i]} for i in range(n)}
+        rows = {int(got[i]): {"latents": buf[i], "caption": captions[i], "_buf": buf, "_i": i} for i in range(n)}
         if "txt" in t.column_names:
             txt, pooled, lens = t["txt"].combine_chunks(), t["pooled"].combine_chunks(), t["txt_len"].to_numpy()
             for i in range(n):
-                r = rows[int(ids[i])]
+                r = rows[int(got[i])]
                 r["txt"] = txt[i].values.to_numpy(zero_copy_only=False)
                 r["pooled"] = pooled[i].values.to_numpy(zero_copy_only=False)
                 r["txt_len"] = int(lens[i])
         return rows
 
     def _read_rows(self, table: _Table, ids: list[int]) -> dict[int, dict]:
-        cols = self._columns(table)
         try:
-            return self._rows(table.read(ids, cols))
+            return self._rows(table, ids)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - fall back to row by row to find the damaged rows
@@ -391,7 +400,7 @@ class StoreLoader:
         out = {}
         for i in ids:
             try:
-                out.update(self._rows(table.read([i], cols)))
+                out.update(self._rows(table, [i]))
             except Exception as e:  # noqa: BLE001
                 log.warning("store table %s (%s): sample %d unreadable (%s); skipped", table.info.name, table.uri, i,
                             str(e).splitlines()[0] or first)
@@ -439,7 +448,11 @@ class StoreLoader:
     def _collate(self, table: _Table, task: str, rows: list[dict], draws: list, ids: list[int], txt_len: int) -> Batch:
         shape = table.info.latent_shape
         B = len(rows)
-        bits = np.stack([r["latents"] for r in rows])
+        first = rows[0].get("_i", -1)
+        if all(r.get("_buf") is rows[0].get("_buf") and r.get("_i") == first + j for j, r in enumerate(rows)):
+            bits = rows[0]["_buf"][first:first + B]             # consecutive rows of one read: a view, no copy
+        else:
+            bits = np.stack([r["latents"] for r in rows])
         F, C, h, w = shape
         # stored in token order: a reshape; bf16 stays bf16 (widened on the device)
         lat = st.from_bits(bits, self.latent_dtype, keep=True).reshape(B, F, (h // 2) * (w // 2), C * 4)
