@@ -275,15 +275,20 @@ def test_reads_the_main_shape_among_blobs_and_speckles() -> None:
     img[ys, xs] = rng.integers(0, 256, (25, 3))  # speckles
     reading = read_image(img)
     assert reading.attributes() == main.attributes(), reading
+    # the speckles are not shapes, but the cyan square is: the image is not a picture of one shape
+    assert reading.shapes == 2 and not reading.one_shape
+    assert not any(score_t2i(img, main).values())
 
 
 def test_scores_detect_wrong_images() -> None:
     spec = ShapeSpec("square", "blue", 0, 1, "large", bg=70)
     img = render(spec, 48)
-    assert score_t2i(img, spec) == {"color": True, "position": True, "shape": True, "size": True, "ok": True}
+    assert score_t2i(img, spec) == {"color": True, "position": True, "shape": True, "size": True, "ok": True,
+                                    "one_shape": True}
     assert score_t2i(img, spec.caption())["ok"]
     wrong = score_t2i(img, replace(spec, color="red", row=2))
-    assert wrong == {"color": False, "position": False, "shape": True, "size": True, "ok": False}
+    assert wrong == {"color": False, "position": False, "shape": True, "size": True, "ok": False,
+                     "one_shape": True}
     assert not any(score_t2i(np.full((48, 48, 3), 70, np.uint8), spec).values())
 
     edit = EditSpec(spec, replace(spec, shape="circle"), "shape", "turn the square into a circle")

@@ -3,6 +3,8 @@ import json
 import pytest
 import torch
 
+from difftrain.data import world_from_config
+
 from difftrain.cli import main
 from difftrain.data.shapes_loader import make_batch
 from difftrain.diffusion.flow import flow_loss, noisy_input, sample_t, to_velocity
@@ -23,7 +25,7 @@ def test_loss_on_a_fixed_shapes_batch_falls_by_half_in_200_steps(tiny_cfg, tmp_p
                    "data.caption_dropout=0", "model.hidden=128", "model.heads=4",
                    "model.axes_dims_rope=[8, 12, 12]")
     tr = Trainer(cfg, tmp_path / "run")
-    batch = make_batch(tr.world, tr.autoencoder, tr.text_encoder.tokenize, "t2i", list(range(8)))
+    batch = make_batch(world_from_config(cfg.data, cfg.run.seed), tr.autoencoder, tr.text_encoder.tokenize, "t2i", list(range(8)))
     gen = torch.Generator().manual_seed(0)
     t = sample_t(8, tr.flow, 16, gen)
     eps = torch.randn(batch.x0_BLC.shape, generator=gen)

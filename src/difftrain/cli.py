@@ -219,7 +219,7 @@ def cmd_eval(args) -> int:
     _check_positive("--n", args.n)
     _check_positive("--steps", args.steps)
     from difftrain.data import world_from_config
-    from difftrain.evaluate import evaluate
+    from difftrain.evaluate import EVAL_KEYS, evaluate
     from difftrain.images import caption_grid
     from difftrain.inference import load_pipeline
 
@@ -232,8 +232,7 @@ def cmd_eval(args) -> int:
     if args.grid:
         caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
     if args.json:
-        keys = ("t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc", "keyframe_acc", "n")
-        print(json.dumps({k: metrics[k] for k in keys} | {"t2i_size_acc": metrics["t2i_size_acc"]}))
+        print(json.dumps({k: metrics[k] for k in EVAL_KEYS}))
     else:
         for k, v in metrics.items():
             print(f"{k:18s} {v}")

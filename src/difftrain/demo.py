@@ -15,7 +15,7 @@ from difftrain.config import load_config
 from difftrain.data import world_from_config
 from difftrain.data.shapes import ShapesWorld
 from difftrain.data.shapes_eval import score_t2i
-from difftrain.evaluate import evaluate
+from difftrain.evaluate import EVAL_KEYS, evaluate
 from difftrain.images import caption_grid
 from difftrain.progress import run_training
 from difftrain.train.trainer import Trainer
@@ -72,9 +72,11 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
         by_task.setdefault(g.task, []).append(g)
     rows = [(g.images, g.prompt) for task in ("t2i", "edit", "keyframes") for g in by_task.get(task, [])[:8]]
     grid = caption_grid(rows, out / "samples.png")
+    # seen and held-out (heldout_*) accuracies, keyframes with none/first frame given, one_shape_rate
     result = {**{k: metrics[k] for k in ("t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc",
                                          "keyframe_acc")},
               "t2i_size_acc": metrics["t2i_size_acc"], "n": metrics["n"],
+              **{k: metrics[k] for k in EVAL_KEYS if k not in ("n",)},
               "train_seconds": summary["train_seconds"], "steps": summary["steps"],
               "eval_seconds": round(eval_seconds, 1), "total_seconds": round(time.perf_counter() - t0, 1),
               "num_params": summary["num_params"], "ground_truth_acc": round(gt_acc, 4),

@@ -1,18 +1,29 @@
 """Evaluate a model on the shapes world: generate for N prompts per task, read the images back with
-the shapes evaluator, report accuracies. Used by ``difftrain eval``, ``demo`` and training."""
+the shapes evaluator, report accuracies. Used by ``difftrain eval``, ``demo`` and training.
+
+``evaluate`` reports every accuracy twice: on prompts of the training split (combinations the model
+has seen, drawn with the evaluation seed) and, under keys prefixed ``heldout_``, on prompts whose
+(colour, shape, cell) combination training never shows (``difftrain.data.shapes.HELDOUT_TRIPLES``).
+Keyframes are generated both from the caption alone and with the first frame given.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from difftrain.data.shapes import ShapesWorld
-from difftrain.data.shapes_eval import score_edit, score_keyframes, score_t2i
+from difftrain.data.shapes_eval import read_image, score_edit, score_keyframes, score_t2i
 from difftrain.data.shapes_loader import make_batch
 from difftrain.diffusion.pipeline import Pipeline
 
-EVAL_KEYS = ("t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc", "keyframe_acc", "n")
+KEYFRAME_MODES = ("none", "first")
+HELDOUT_PREFIX = "heldout_"
+# Accuracy keys of one split; the held-out split reports each with HELDOUT_PREFIX in front.
+SPLIT_KEYS = ("t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "t2i_size_acc", "t2i_acc", "edit_acc",
+              "keyframe_acc", "keyframe_acc_none", "keyframe_acc_first", "one_shape_rate")
+EVAL_KEYS = SPLIT_KEYS + tuple(HELDOUT_PREFIX + k for k in SPLIT_KEYS) + ("n",)
 
 
 @dataclass
@@ -21,10 +32,17 @@ class Generated:
     prompt: str
     images: list[np.ndarray]          # what to show: (reference,) generated frame(s)
     score: dict
+    split: str = "train"              # the world split the prompt came from
+    keyframe_given: str | None = None  # keyframes: which frames were given ('none' or 'first')
+    one_shape: list[bool] = field(default_factory=list)  # per generated image: read as exactly one shape
 
 
 def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[int], steps: int, cfg_scale: float,
                   seed: int, keyframe_given: str = "first", batch_size: int = 32) -> list[Generated]:
+    """Generate and score examples ``indices`` of ``task`` from ``world`` (whichever split it is)."""
+    if task == "keyframes" and keyframe_given not in KEYFRAME_MODES:
+        raise ValueError(f"keyframe_given must be one of {', '.join(KEYFRAME_MODES)}, got {keyframe_given!r}")
+    split = getattr(world, "split", "train")
     out: list[Generated] = []
     for lo in range(0, len(indices), batch_size):
         chunk = indices[lo:lo + batch_size]
@@ -36,29 +54,68 @@ def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[i
         imgs = pipe.to_images(pipe.sample(batch, steps, cfg_scale, seed=seed + lo))
         for b, m in enumerate(batch.meta):
             if task == "t2i":
-                out.append(Generated(task, batch.prompts[b], [imgs[b, 0]], score_t2i(imgs[b, 0], m["spec"])))
+                s = score_t2i(imgs[b, 0], m["spec"])
+                out.append(Generated(task, batch.prompts[b], [imgs[b, 0]], s, split, None, [s["one_shape"]]))
             elif task == "edit":
                 s = score_edit(imgs[b, 0], m["spec"], m["source"])
-                out.append(Generated(task, batch.prompts[b], [m["source"], imgs[b, 0]], s))
+                out.append(Generated(task, batch.prompts[b], [m["source"], imgs[b, 0]], s, split, None,
+                                     [s["one_shape"]]))
             else:
-                s = score_keyframes(imgs[b], m["spec"])
-                out.append(Generated(task, batch.prompts[b], list(imgs[b]), s))
+                readings = [read_image(f) for f in imgs[b]]
+                s = score_keyframes(imgs[b], m["spec"], readings)
+                generated = [r.one_shape for f, r in enumerate(readings) if targets[b][f]]  # given frames: not ours
+                out.append(Generated(task, batch.prompts[b], list(imgs[b]), s, split, keyframe_given, generated))
     return out
 
 
+def _split_metrics(results: dict[str, list[Generated]], keyframe_given: str) -> dict[str, float | None]:
+    """Accuracies of one split from its generations (keys of SPLIT_KEYS; None where nothing was generated)."""
+    def mean(key: str, score: str) -> float | None:
+        rows = results.get(key)
+        return round(float(np.mean([bool(g.score[score]) for g in rows])), 4) if rows else None
+
+    flags = [f for rows in results.values() for g in rows for f in g.one_shape]
+    return {"t2i_color_acc": mean("t2i", "color"), "t2i_position_acc": mean("t2i", "position"),
+            "t2i_shape_acc": mean("t2i", "shape"), "t2i_size_acc": mean("t2i", "size"),
+            "t2i_acc": mean("t2i", "ok"), "edit_acc": mean("edit", "ok"),
+            "keyframe_acc": mean(f"keyframes_{keyframe_given}", "ok"),
+            "keyframe_acc_none": mean("keyframes_none", "ok"), "keyframe_acc_first": mean("keyframes_first", "ok"),
+            "one_shape_rate": round(float(np.mean(flags)), 4) if flags else None}
+
+
 def evaluate(pipe: Pipeline, world: ShapesWorld, n: int, steps: int, cfg_scale: float, sample_seed: int = 0,
-             keyframe_given: str = "first", tasks: tuple[str, ...] = ("t2i", "edit", "keyframes")
-             ) -> tuple[dict, list[Generated]]:
-    """Accuracies over the first ``n`` examples per task of ``world`` (a task not asked for reports None)."""
-    results: dict[str, list[Generated]] = {
-        t: generate_task(pipe, world, t, list(range(n)), steps, cfg_scale, sample_seed, keyframe_given)
-        for t in tasks}
+             keyframe_given: str = "first", tasks: tuple[str, ...] = ("t2i", "edit", "keyframes"),
+             heldout: bool = True) -> tuple[dict, list[Generated]]:
+    """Accuracies over the first ``n`` examples per task, on seen and on held-out combinations.
 
-    def mean(task: str, key: str) -> float | None:
-        rows = results.get(task)
-        return round(float(np.mean([g.score[key] for g in rows])), 4) if rows else None
-
-    metrics = {"t2i_color_acc": mean("t2i", "color"), "t2i_position_acc": mean("t2i", "position"),
-               "t2i_shape_acc": mean("t2i", "shape"), "t2i_size_acc": mean("t2i", "size"),
-               "edit_acc": mean("edit", "ok"), "keyframe_acc": mean("keyframes", "ok"), "n": n}
-    return metrics, [g for t in tasks for g in results[t]]
+    ``world`` gives the seed, image size, frames, background and motion; its training split supplies
+    the seen prompts and its held-out split (built here) the held-out ones, reported under
+    ``heldout_`` keys (``heldout=False`` skips them; their keys are then None). Keyframes are
+    generated with no frame given and with the first frame given (``keyframe_acc_none``,
+    ``keyframe_acc_first``); ``keyframe_acc`` repeats the one ``keyframe_given`` names.
+    ``one_shape_rate`` is the fraction of generated images (t2i images, edit outputs, predicted
+    keyframes) read as exactly one shape with no ghost of an edit's source. A task not asked for
+    reports None. Generations come back seen first, in task order, the configured keyframe mode first.
+    """
+    if keyframe_given not in KEYFRAME_MODES:
+        raise ValueError(f"keyframe_given must be one of {', '.join(KEYFRAME_MODES)}, got {keyframe_given!r}")
+    modes = (keyframe_given,) + tuple(m for m in KEYFRAME_MODES if m != keyframe_given)
+    seen = world if getattr(world, "split", "train") == "train" else world.with_split("train")
+    splits = [("", seen)] + ([(HELDOUT_PREFIX, seen.with_split("heldout"))] if heldout else [])
+    metrics: dict = {}
+    gens: list[Generated] = []
+    for prefix, w in splits:
+        results: dict[str, list[Generated]] = {}
+        for task in tasks:
+            if task == "keyframes":
+                for mode in modes:
+                    results[f"keyframes_{mode}"] = generate_task(pipe, w, task, list(range(n)), steps, cfg_scale,
+                                                                 sample_seed, mode)
+            else:
+                results[task] = generate_task(pipe, w, task, list(range(n)), steps, cfg_scale, sample_seed)
+        metrics.update({prefix + k: v for k, v in _split_metrics(results, keyframe_given).items()})
+        gens += [g for rows in results.values() for g in rows]
+    if not heldout:
+        metrics.update({HELDOUT_PREFIX + k: None for k in SPLIT_KEYS})
+    metrics["n"] = n
+    return metrics, gens

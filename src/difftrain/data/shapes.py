@@ -11,8 +11,14 @@ Three tasks share the world:
 * edit      -- source image, target image, instruction ("make the circle blue")
 * keyframes -- K frames of a shape moving in a straight line between two cells
 
-Examples are a pure function of ``(seed, task, index)`` so a dataset needs no
+Examples are a pure function of ``(seed, task, index, split)`` so a dataset needs no
 storage and every worker can generate any index independently.
+
+Held-out combinations: 18 of the 162 (colour, shape, cell) triples (11%, listed in
+``HELDOUT_TRIPLES``) never appear in the ``"train"`` split, neither as a text-to-image
+scene, nor as an edit's source or target, nor in any keyframe. The ``"heldout"`` split
+yields only examples whose (target) scene is one of them, so evaluation can measure
+whether a model composes attributes it has only seen apart. See ``is_heldout``.
 
 Geometry conventions: ``x`` grows to the right, ``y`` grows downwards, pixel
 ``(i, j)`` covers ``[j, j+1) x [i, i+1)``, so the image centre is ``(size/2, size/2)``.
@@ -68,6 +74,37 @@ def position_name(row: int, col: int) -> str:
 
 
 POSITIONS: dict[str, tuple[int, int]] = {position_name(r, c): (r, c) for r in range(3) for c in range(3)}
+
+
+# --------------------------------------------------------------------------- held-out combinations
+#
+# Colour number c (order of COLORS) owns the base cell (r_c, k_c) = _HELDOUT_BASE[c], the six cells off
+# the main diagonal in row-major order; shape number s (order of SHAPES) shifts it one row down and one
+# column left per step: the triple (colour, shape, cell) is held out when
+#     cell == ((r_c + s) % 3, (k_c - s) % 3).
+# That is 18 of the 6 x 3 x 9 = 162 triples (11.1%), and the design is balanced so that the held-out
+# triples are new combinations of parts that training shows:
+#   * every (colour, shape) pair has exactly one held-out cell (8 of its 9 cells are trained);
+#   * every colour's three held-out cells lie in three different rows and three different columns;
+#   * every cell has exactly two held-out (colour, shape) pairs; every shape's six held-out cells
+#     cover each row and each column twice;
+#   * every (colour, cell) pair loses at most one of its 3 shapes and every (shape, cell) pair at
+#     most one of its 6 colours,
+# so every single value and every pair of values still appears in training. Size is not part of it.
+SPLITS: tuple[str, ...] = ("train", "heldout")
+_HELDOUT_BASE: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1))
+
+
+def is_heldout(color: str, shape: str, row: int, col: int) -> bool:
+    """Whether the (colour, shape, cell) combination is reserved for the held-out split."""
+    r, k = _HELDOUT_BASE[tuple(COLORS).index(color)]
+    s = SHAPES.index(shape)
+    return (int(row), int(col)) == ((r + s) % 3, (k - s) % 3)
+
+
+HELDOUT_TRIPLES: frozenset[tuple[str, str, tuple[int, int]]] = frozenset(
+    (color, shape, cell) for color in COLORS for shape in SHAPES for cell in POSITIONS.values()
+    if is_heldout(color, shape, *cell))
 
 
 def cell_center(row: int, col: int, image_size: int) -> tuple[float, float]:
@@ -291,6 +328,42 @@ def render_frames(spec: MotionSpec, size: int = 48) -> np.ndarray:
                      for x, y in spec.centers(size)])
 
 
+def _cells_at(u: float) -> tuple[int, ...]:
+    """Grid indices whose span [k, k+1) holds coordinate u (in cells); both neighbours on a boundary."""
+    lo, hi = int(np.floor(u - 1e-6)), int(np.floor(u + 1e-6))
+    return tuple(k for k in sorted({lo, hi}) if 0 <= k < 3)
+
+
+def motion_frame_cells(spec: MotionSpec) -> list[tuple[tuple[int, int], ...]]:
+    """Per frame, the grid cell(s) holding the shape's centre; a centre on a cell boundary counts for
+    every cell it touches. Independent of the image size (computed in cell units)."""
+    out = []
+    for t in np.linspace(0.0, 1.0, spec.frames):
+        r = spec.start[0] + 0.5 + t * (spec.end[0] - spec.start[0])
+        c = spec.start[1] + 0.5 + t * (spec.end[1] - spec.start[1])
+        out.append(tuple((i, j) for i in _cells_at(r) for j in _cells_at(c)))
+    return out
+
+
+def spec_is_heldout(spec: ShapeSpec | EditSpec | MotionSpec) -> bool:
+    """Whether an example belongs to the held-out split: a scene whose triple is held out, an edit
+    whose target is, a motion with any frame whose (colour, shape, cell) is."""
+    if isinstance(spec, ShapeSpec):
+        return is_heldout(spec.color, spec.shape, spec.row, spec.col)
+    if isinstance(spec, EditSpec):
+        return spec_is_heldout(spec.target)
+    if isinstance(spec, MotionSpec):
+        return any(is_heldout(spec.color, spec.shape, *cell) for cells in motion_frame_cells(spec) for cell in cells)
+    raise TypeError(f"expected a ShapeSpec, EditSpec or MotionSpec, got {type(spec).__name__}")
+
+
+def spec_touches_heldout(spec: ShapeSpec | EditSpec | MotionSpec) -> bool:
+    """Whether any scene an example shows is held out (for an edit: the source or the target)."""
+    if isinstance(spec, EditSpec):
+        return spec_is_heldout(spec.source) or spec_is_heldout(spec.target)
+    return spec_is_heldout(spec)
+
+
 # --------------------------------------------------------------------------- sampling
 
 
@@ -351,11 +424,20 @@ def sample_motion(rng: np.random.Generator, frames: int = 4, bg_range: tuple[int
                       start=start, end=end, bg=_bg(rng, bg_range), frames=frames)
 
 
+_MAX_DRAWS = 1000  # rejection sampling per example; a split keeps >= 1/9 of draws, so this never runs out
+
+
 class ShapesWorld:
-    """Indexable procedural dataset; example i depends only on (seed, task, i)."""
+    """Indexable procedural dataset; example i depends only on (seed, task, i, split).
+
+    ``split="train"`` never shows a held-out (colour, shape, cell) triple anywhere (see
+    ``HELDOUT_TRIPLES``); ``split="heldout"`` yields only examples whose scene (for an edit, its
+    target; for keyframes, some frame) is held out. Both draw from the same distribution as the
+    unrestricted world, conditioned by rejection on the split, from one generator per example.
+    """
 
     def __init__(self, seed: int, size: int = 48, frames: int = 4,
-                 bg_range: tuple[int, int] | None = None, motion: str = "any") -> None:
+                 bg_range: tuple[int, int] | None = None, motion: str = "any", split: str = "train") -> None:
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.seed, self.size, self.frames = int(seed), int(size), int(frames)
@@ -364,33 +446,61 @@ class ShapesWorld:
             raise ValueError(f"bg_range must be 0 <= lo <= hi <= 255, got {self.bg_range}")
         if motion not in ("any", "across"):
             raise ValueError(f"motion must be 'any' or 'across', got {motion!r}")
-        self.motion = motion
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        self.motion, self.split = motion, split
+
+    def with_split(self, split: str) -> "ShapesWorld":
+        """The same world (seed, size, frames, background, motion) restricted to another split."""
+        return ShapesWorld(self.seed, self.size, self.frames, self.bg_range, self.motion, split)
 
     def _rng(self, task: str, index: int) -> np.random.Generator:
         if index < 0:
             raise IndexError(f"example index must be >= 0, got {index}")
-        # A fresh generator per example: results never depend on call order.
-        return np.random.default_rng([self.seed, TASK_IDS[task], int(index)])
+        # A fresh generator per example: results never depend on call order. The training split keeps
+        # the original stream (so its examples match the unrestricted world's whenever they qualify).
+        key = [self.seed, TASK_IDS[task], int(index)] + ([] if self.split == "train" else [SPLITS.index(self.split)])
+        return np.random.default_rng(key)
+
+    def _draw(self, task: str, rng: np.random.Generator) -> ShapeSpec | EditSpec | MotionSpec:
+        if task == "t2i":
+            return sample_shape(rng, self.bg_range)
+        if task == "edit":
+            return sample_edit(rng, self.bg_range)
+        if task == "keyframes":
+            return sample_motion(rng, self.frames, self.bg_range, self.motion)
+        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASK_IDS)}")
+
+    def _accepts(self, spec: ShapeSpec | EditSpec | MotionSpec) -> bool:
+        if self.split == "train":
+            return not spec_touches_heldout(spec)
+        return spec_is_heldout(spec)
+
+    def spec(self, task: str, index: int) -> ShapeSpec | EditSpec | MotionSpec:
+        """The spec of example ``index`` of ``task`` in this split, without rendering it."""
+        rng = self._rng(task, index)
+        for _ in range(_MAX_DRAWS):
+            spec = self._draw(task, rng)
+            if self._accepts(spec):
+                return spec
+        raise RuntimeError(f"no {self.split} example found for {task} index {index}")  # pragma: no cover
 
     def t2i(self, index: int) -> tuple[np.ndarray, str, ShapeSpec]:
-        spec = sample_shape(self._rng("t2i", index), self.bg_range)
+        spec = self.spec("t2i", index)
         return render(spec, self.size), spec.caption(), spec
 
     def edit(self, index: int) -> tuple[np.ndarray, np.ndarray, str, EditSpec]:
-        spec = sample_edit(self._rng("edit", index), self.bg_range)
+        spec = self.spec("edit", index)
         return render(spec.source, self.size), render(spec.target, self.size), spec.instruction, spec
 
     def keyframes(self, index: int) -> tuple[np.ndarray, str, MotionSpec]:
-        spec = sample_motion(self._rng("keyframes", index), self.frames, self.bg_range, self.motion)
+        spec = self.spec("keyframes", index)
         return render_frames(spec, self.size), spec.caption(), spec
 
     def prompt(self, task: str, index: int) -> str:
         """The caption (or edit instruction) of an example, without rendering it."""
-        if task == "t2i":
-            return sample_shape(self._rng("t2i", index), self.bg_range).caption()
-        if task == "edit":
-            return sample_edit(self._rng("edit", index), self.bg_range).instruction
-        return sample_motion(self._rng("keyframes", index), self.frames, self.bg_range, self.motion).caption()
+        spec = self.spec(task, index)
+        return spec.instruction if isinstance(spec, EditSpec) else spec.caption()
 
 
 # --------------------------------------------------------------------------- text

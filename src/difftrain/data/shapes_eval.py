@@ -21,6 +21,18 @@ pipeline is built so that each step is robust to exactly those defects:
    filter uses every pixel, which is what makes tiny (5 px) shapes separable where
    bounding-box fill ratios are too quantised.
 7. Size = extent of the fitted template vs. the cell; position = cell of its centre.
+8. One shape only. The fitted shape is subtracted from the image (template x measured colour)
+   and what is left is searched the way steps 2-3 searched the image, outside a thin band
+   (``_EXTRA_BAND``) around the fitted outline: a leftover component whose colour (median of its
+   stronger half) differs from the background by ``_EXTRA_CONTRAST`` and whose core covers
+   ``_EXTRA_AREA`` of a cell is a second shape. For an edit, the source scene is known; its exact
+   footprint is used as a matched filter on what the fitted target leaves unexplained, which
+   estimates the opacity of a copy of the source blended into the output (a "ghost": at the
+   source's place when the edit moved the shape, in its colour or outline when the edit
+   recoloured, reshaped or resized it). A second shape, or a faint copy (opacity from
+   ``_GHOST_ALPHA`` up to ``1 - _GHOST_ALPHA``), fails every attribute of the image: the scores
+   judge a picture of exactly one shape. An image that reads as the source itself is an edit not
+   done, judged by its attributes, not a ghost.
 """
 
 from __future__ import annotations
@@ -47,6 +59,22 @@ _MIN_AREA = 0.4 * SHAPE_FILL["triangle"] * SIZE_EXTENT["small"] ** 2
 _TEMPLATE_SS = 4  # template supersampling, as in rendering (2 was measurably worse on 5 px shapes)
 _BLUR_LEVELS = 3  # templates are tried sharp, blurred once and blurred twice
 _MASK_GROW = 2  # pixels the component mask grows by to catch anti-aliased or blurred edges
+# One-shape check (step 8). A second component counts when its median colour is this far from the
+# background (about a 20% blend of the least contrasting palette colour over the nearest grey) ...
+_EXTRA_CONTRAST = 20.0
+# ... and at least this fraction of a cell's area is at half that contrast or more (a quarter of the
+# smallest shape, a small triangle, so speckles and thin fitting residue at edges never count).
+_EXTRA_AREA = 0.25 * SHAPE_FILL["triangle"] * SIZE_EXTENT["small"] ** 2
+_EXTRA_BAND = 1  # pixels around the fitted outline left to the template fit (edge residue is not a shape)
+_GHOST_ALPHA = 0.2  # a copy of an edit's source blended in at this opacity (up to 1 - it) fails the image
+_GHOST_SNR = 4.0  # ... when the estimate is also this many noise standard deviations above zero
+# Weight of the prior that the target keeps its palette contrast (a = 1), relative to the target's
+# own energy. It only matters where the data cannot tell a fade from a ghost: a source colour
+# blended into a recoloured shape is a fade when the two colours lie on opposite sides of the grey
+# (red and cyan, blue and yellow); there the blend is read as a ghost, as strictness requires.
+_GHOST_CONTRAST_PRIOR = 0.05
+# Target extents tried by the ghost fit, as multiples of the read extent (which a ghost inflates).
+_GHOST_SCALES = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15)
 
 
 @dataclass
@@ -64,6 +92,17 @@ class Reading:
     centroid: tuple[float, float] | None = None
     area: float = 0.0  # soft area in pixels
     confidence: float = 0.0  # 0..1: contrast over noise times template fit quality
+    shapes: int = 0  # shapes seen: 0 (none), 1, or more (the dominant one plus every other component)
+    ghost: float = 0.0  # estimated opacity of a copy of ``read_image``'s ``ghost_of`` scene (0 if none given)
+
+    @property
+    def one_shape(self) -> bool:
+        """Exactly one shape and no ghost of the given source: the only kind of image that can score.
+
+        A ghost is a faint copy: one at ``1 - _GHOST_ALPHA`` opacity or more is the source itself over
+        a target that hardly shows, which the attributes judge (and a copy elsewhere is a second shape).
+        """
+        return self.found and self.shapes == 1 and not _GHOST_ALPHA <= self.ghost <= 1.0 - _GHOST_ALPHA
 
     def attributes(self) -> dict[str, Any]:
         return {"shape": self.shape, "color": self.color, "size": self.size, "row": self.row, "col": self.col}
@@ -174,8 +213,8 @@ def _median(a: np.ndarray) -> np.ndarray:
     return np.partition(a, k, axis=0)[k]
 
 
-def _strongest_component(mask: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """Boolean mask of the 8-connected component of ``mask`` with the largest total ``weight``.
+def _label(mask: np.ndarray) -> np.ndarray:
+    """8-connected components of ``mask``: an int32 label image, 0 outside, 1..n inside.
 
     Labels horizontal runs rather than pixels: a shape is a few dozen runs, so the
     union-find loop in Python stays tiny and no scipy is needed.
@@ -186,9 +225,10 @@ def _strongest_component(mask: np.ndarray, weight: np.ndarray) -> np.ndarray:
     edges = np.diff(padded, axis=1)
     run_rows, run_starts = np.nonzero(edges == 1)
     _, run_ends = np.nonzero(edges == -1)  # exclusive; same row-major order as the starts
+    labels = np.zeros((h, w), dtype=np.int32)
     n = len(run_rows)
     if n == 0:
-        return mask.copy()
+        return labels
     parent = list(range(n))
 
     def find(i: int) -> int:
@@ -214,16 +254,21 @@ def _strongest_component(mask: np.ndarray, weight: np.ndarray) -> np.ndarray:
                         if ra != rb:
                             parent[ra] = rb
         prev_lo, prev_hi, i = i, j, j
-    cum = np.zeros((h, w + 1))
-    cum[:, 1:] = np.cumsum(weight, axis=1)
-    run_weight = cum[run_rows, run_ends] - cum[run_rows, run_starts]
-    roots = np.asarray([find(k) for k in range(n)])
-    totals = np.bincount(roots, weights=run_weight, minlength=n)
-    best = int(np.argmax(totals))
-    out = np.zeros((h, w), dtype=bool)
-    for k in np.flatnonzero(roots == best).tolist():
-        out[rows[k], starts[k]:ends[k]] = True
-    return out
+    roots = [find(k) for k in range(n)]
+    ids = {root: k + 1 for k, root in enumerate(dict.fromkeys(roots))}
+    for k in range(n):
+        labels[rows[k], starts[k]:ends[k]] = ids[roots[k]]
+    return labels
+
+
+def _strongest_component(mask: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Boolean mask of the 8-connected component of ``mask`` with the largest total ``weight``."""
+    labels = _label(mask)
+    if labels.max() == 0:
+        return mask.copy()
+    totals = np.bincount(labels.ravel(), weights=weight.ravel().astype(np.float64))
+    totals[0] = -np.inf
+    return labels == int(np.argmax(totals))
 
 
 def _nearest_color(rgb: np.ndarray) -> str:
@@ -231,8 +276,8 @@ def _nearest_color(rgb: np.ndarray) -> str:
 
 
 def _fit_shape(alpha: np.ndarray, window: tuple[int, int, int, int], area: float,
-               mx: float, my: float) -> tuple[str, float, float, float, float]:
-    """Least-squares template match. Returns (shape, extent, box cx, box cy, residual).
+               mx: float, my: float) -> tuple[str, float, float, float, float, int]:
+    """Least-squares template match. Returns (shape, extent, box cx, box cy, residual, blur level).
 
     Each template has the observed area and centroid, so only the outline differs.
     Templates are also tried blurred once and twice, because a blurred square looks
@@ -249,11 +294,180 @@ def _fit_shape(alpha: np.ndarray, window: tuple[int, int, int, int], area: float
         sse[level] = ((tmpls - alpha) ** 2).sum(axis=(1, 2))
         tmpls = _binomial_blur(tmpls)
     k = int(np.argmin(sse.min(axis=0)))
-    return SHAPES[k], extents[k], mx, centers_y[k], float(sse[:, k].min())
+    return SHAPES[k], extents[k], mx, centers_y[k], float(sse[:, k].min()), int(np.argmin(sse[:, k]))
 
 
-def read_image(img: np.ndarray) -> Reading:
-    """Find the dominant shape in an image and read its attributes (see module docstring)."""
+def _coverage_in(shape: str, cx: float, cy: float, extent: float, window: tuple[int, int, int, int]) -> np.ndarray:
+    """``coverage`` over ``window``, rasterised only where the shape's box overlaps it (zero elsewhere).
+
+    Keeping the rasterised patch small also keeps its matrix products below the size at which BLAS
+    starts worker threads, which on a busy machine costs far more than the arithmetic.
+    """
+    x0, y0, w, h = window
+    half = extent / 2.0
+    bx0, bx1 = max(x0, int(np.floor(cx - half)) - 1), min(x0 + w, int(np.ceil(cx + half)) + 1)
+    by0, by1 = max(y0, int(np.floor(cy - half)) - 1), min(y0 + h, int(np.ceil(cy + half)) + 1)
+    out = np.zeros((h, w), dtype=np.float32)
+    if bx1 > bx0 and by1 > by0:
+        out[by0 - y0:by1 - y0, bx0 - x0:bx1 - x0] = coverage(
+            shape, cx, cy, extent, (bx0, by0, bx1 - bx0, by1 - by0), ss=_TEMPLATE_SS)
+    return out
+
+
+def _template(shape: str, cx: float, cy: float, extent: float, blur: int, h: int, w: int) -> np.ndarray:
+    """Coverage of a shape over the whole h x w image, blurred ``blur`` times like the fitted template."""
+    t = _coverage_in(shape, cx, cy, extent, (0, 0, w, h))
+    for _ in range(blur):
+        t = _binomial_blur(t)
+    return t
+
+
+def _other_shapes(diff: np.ndarray, model: np.ndarray, ring: np.ndarray, cell: float) -> int:
+    """How many shapes, besides the fitted one, the image shows (step 8 of the module docstring).
+
+    ``diff`` is the image minus its background, ``model`` the fitted shape's share of it.
+    """
+    resid = diff - model
+    evidence = _box3(np.sqrt((resid * resid) @ _ONES3))
+    on_ring = evidence[ring]
+    floor = float(_median(on_ring[:, None])[0])
+    spread = 1.4826 * float(_median(np.abs(on_ring - floor)[:, None])[0])
+    outline = _dilate(np.sqrt((model * model) @ _ONES3) > 0.1 * _EXTRA_CONTRAST, _EXTRA_BAND)
+    candidates = (evidence - floor > max(0.5 * _EXTRA_CONTRAST, 4.0 * spread)) & ~outline
+    if not candidates.any():
+        return 0
+    labels = _label(candidates)
+    min_core = _EXTRA_AREA * cell * cell
+    found = 0
+    for k in range(1, int(labels.max()) + 1):
+        pixels = resid[labels == k]
+        if len(pixels) < min_core:
+            continue
+        # colour of the component's stronger half (the smoothing halo would otherwise outvote a small
+        # shape); a speckle or a noise clump has no consistent colour, so its median stays small
+        strength = (pixels * pixels) @ _ONES3
+        color = _median(pixels[strength >= _median(strength[:, None])[0]])
+        contrast = float(np.linalg.norm(color))
+        if contrast < _EXTRA_CONTRAST:
+            continue
+        core = int(((pixels @ (color / contrast)) >= 0.5 * contrast).sum())
+        found += core >= min_core
+    return found
+
+
+def _box_window(boxes: list[tuple[float, float, float]], h: int, w: int, pad: int) -> tuple[int, int, int, int]:
+    """(x0, y0, width, height) covering squares given as (cx, cy, side), padded and clipped to the image."""
+    x0 = max(0, int(np.floor(min(cx - e / 2 for cx, _, e in boxes))) - pad)
+    y0 = max(0, int(np.floor(min(cy - e / 2 for _, cy, e in boxes))) - pad)
+    x1 = min(w, int(np.ceil(max(cx + e / 2 for cx, _, e in boxes))) + pad)
+    y1 = min(h, int(np.ceil(max(cy + e / 2 for _, cy, e in boxes))) + pad)
+    return x0, y0, max(1, x1 - x0), max(1, y1 - y0)
+
+
+def _target_color(core_rgb: np.ndarray, c_s: np.ndarray) -> np.ndarray:
+    """The palette colour that, blended with the source colour c_s, best explains the core colour.
+
+    A blend is charged half the colour shift it claims, so a pure colour wins unless the blend
+    explains the core colour clearly better.
+    """
+    best, c_t = np.inf, c_s
+    for c_x in _PALETTE:
+        d = c_s - c_x
+        dd = float(d @ d)
+        g = 0.0 if dd == 0 else float(np.clip((core_rgb - c_x) @ d / dd, 0.0, 1.0))
+        cost = float(np.linalg.norm(core_rgb - c_x - g * d)) + 0.5 * g * float(np.sqrt(dd))
+        if cost < best:
+            best, c_t = cost, c_x
+    return c_t
+
+
+def _ghost_opacity(diff: np.ndarray, bg: np.ndarray, core_rgb: np.ndarray, shape: str, cx: float, cy: float,
+                   extent: float, source: ShapeSpec, noise: float) -> float:
+    """Opacity of a copy of ``source`` blended into an image read as ``shape`` at (cx, cy).
+
+    Model: image - background = a * T * (c_t - bg) + g * S * (c_s - bg - T * (c_t - bg)), that is
+    the target shape T (contrast a) with the source S drawn over it at opacity g; T may also shift
+    by a fraction of a pixel (linear terms in its x and y gradients). The estimate of g hinges on
+    T's outline wherever S borders it, and the read extent is biased by the ghost itself (the
+    reading matched its template to the area of both), so T is tried at a range of extents around
+    the read one and at each blur level, and the best least-squares fit gives g. The target colour
+    c_t is the palette colour that, blended with the source colour, best explains the shape's core
+    colour, so a source tint in a recoloured shape is measured as such. Returns 0 when the
+    estimate is not significant or when the source hides under the target.
+    """
+    h, w, _ = diff.shape
+    side = min(h, w)
+    c_s = np.asarray(COLORS[source.color], dtype=np.float32)
+    c_t = _target_color(core_rgb, c_s)
+    sx, sy = source.center(side)
+    s_ext = SIZE_EXTENT[source.size] * side / 3.0
+    window = _box_window([(sx, sy, s_ext), (cx, cy, extent * max(_GHOST_SCALES))], h, w, pad=4)
+    x0, y0, ww, wh = window
+    sl = (slice(y0, y0 + wh), slice(x0, x0 + ww))
+    y = diff[sl].reshape(-1, 3).astype(np.float64)
+    d_s = (c_s - bg[sl]).reshape(-1, 3).astype(np.float64)  # the source's colour over the local background
+    d_t = (c_t - bg[sl]).reshape(-1, 3).astype(np.float64)
+    # Every column is a per-pixel scalar field times d_t or d_s, so the normal equations need only
+    # these per-pixel dot products; all extents of one blur level are then solved at once.
+    q_tt, q_ts, q_ss = (d_t * d_t).sum(1), (d_t * d_s).sum(1), (d_s * d_s).sum(1)
+    y_t, y_s, yy = (y * d_t).sum(1), (y * d_s).sum(1), float((y * y).sum())
+    src = _coverage_in(source.shape, sx, sy, s_ext, window)
+    # scaling a triangle keeps its area centroid (what the reading measured), not its box centre
+    anchor = cy + extent / 6.0 if shape == "triangle" else cy
+    tgts = np.stack([_coverage_in(shape, cx, anchor - extent * k / 6.0 if shape == "triangle" else cy, extent * k,
+                                  window) for k in _GHOST_SCALES])
+    fit: tuple[float, float, float] | None = None  # (sse, g, energy of g's column not explained by the rest)
+    for level in range(_BLUR_LEVELS):
+        if level:
+            src = _binomial_blur(src)
+            tgts = _binomial_blur(tgts)
+        gy, gx = np.gradient(tgts, axis=(1, 2))
+        k = len(tgts)
+        t, gx, gy = (a.reshape(k, -1).astype(np.float64) for a in (tgts, gx, gy))
+        sv = src.reshape(-1).astype(np.float64)
+        ss_ = sv * sv
+        gram = np.empty((k, 4, 4))
+        gram[:, 0, 0] = (t * t) @ q_tt
+        gram[:, 0, 1] = (t * sv) @ q_ts - (t * t) @ (sv * q_tt)
+        gram[:, 0, 2] = (t * gx) @ q_tt
+        gram[:, 0, 3] = (t * gy) @ q_tt
+        gram[:, 1, 1] = ss_ @ q_ss - 2.0 * t @ (ss_ * q_ts) + (t * t) @ (ss_ * q_tt)
+        gram[:, 1, 2] = gx @ (sv * q_ts) - (t * gx) @ (sv * q_tt)
+        gram[:, 1, 3] = gy @ (sv * q_ts) - (t * gy) @ (sv * q_tt)
+        gram[:, 2, 2] = (gx * gx) @ q_tt
+        gram[:, 2, 3] = (gx * gy) @ q_tt
+        gram[:, 3, 3] = (gy * gy) @ q_tt
+        low = np.tril_indices(4, -1)
+        gram[:, low[0], low[1]] = gram[:, low[1], low[0]]
+        rhs = np.stack([t @ y_t, np.full(k, float(sv @ y_s)) - t @ (sv * y_t), gx @ y_t, gy @ y_t], axis=1)
+        ok = (gram[:, 0, 0] > 0) & (gram[:, 1, 1] > 0)
+        if not ok.any():
+            continue
+        prior = _GHOST_CONTRAST_PRIOR * gram[:, 0, 0]  # pulls a towards 1 (see _GHOST_CONTRAST_PRIOR)
+        lhs = gram + 1e-9 * np.trace(gram, axis1=1, axis2=2)[:, None, None] * np.eye(4)
+        lhs[:, 0, 0] += prior
+        lhs[~ok] = np.eye(4)
+        coef = np.linalg.solve(lhs, (rhs + np.outer(prior, [1.0, 0.0, 0.0, 0.0]))[:, :, None])[:, :, 0]
+        sse = yy - 2.0 * (coef * rhs).sum(1) + np.einsum("ki,kij,kj->k", coef, gram, coef)
+        sse[~ok] = np.inf
+        j = int(np.argmin(sse))
+        if fit is None or sse[j] < fit[0]:
+            fit = (float(sse[j]), float(coef[j, 1]), 1.0 / float(np.linalg.inv(lhs[j])[1, 1]))
+    cell = side / 3.0
+    # an opaque copy must show at least a minimal extra shape's worth of contrast energy
+    min_energy = _EXTRA_AREA * cell * cell * (_EXTRA_CONTRAST / _GHOST_ALPHA) ** 2
+    if fit is None or fit[2] < min_energy:
+        return 0.0  # the source would hide under the target: even an opaque copy is barely visible
+    _, g, energy = fit
+    return g if g * np.sqrt(energy) >= _GHOST_SNR * max(noise, 1.0) else 0.0
+
+
+def read_image(img: np.ndarray, ghost_of: ShapeSpec | None = None) -> Reading:
+    """Find the dominant shape in an image and read its attributes (see module docstring).
+
+    ``shapes`` counts every shape seen; ``ghost_of`` (an edit's source) also estimates how much of a
+    copy of that scene the image still shows (``ghost``). ``Reading.one_shape`` combines both.
+    """
     rgb = _to_float_rgb(img)
     h, w, _ = rgb.shape
     cell = min(h, w) / 3.0  # shapes-world images are square; min() keeps odd inputs sane
@@ -279,7 +493,8 @@ def read_image(img: np.ndarray) -> Reading:
     # 4. colour: median of the component's most distant half (its core, free of edge blending)
     comp_dist = dist[comp]
     core = comp_dist >= _median(comp_dist[:, None])[0]
-    color = _nearest_color(_median(rgb[comp][core]))
+    core_rgb = _median(rgb[comp][core])
+    color = _nearest_color(core_rgb)
     fg_diff = _median(diff[comp][core])  # shape colour minus the local background
     contrast = float(np.linalg.norm(fg_diff))
     if contrast < max(_MIN_CONTRAST, _NOISE_CONTRAST * noise):
@@ -301,7 +516,7 @@ def read_image(img: np.ndarray) -> Reading:
 
     # 6. shape by template matching
     window = (x0, y0, x1 - x0, y1 - y0)
-    shape, extent, cx, cy, sse = _fit_shape(alpha, window, area, mx, my)
+    shape, extent, cx, cy, sse, blur = _fit_shape(alpha, window, area, mx, my)
 
     # 7. size, position and confidence
     size = "large" if extent / cell > _SIZE_SPLIT else "small"
@@ -310,8 +525,17 @@ def read_image(img: np.ndarray) -> Reading:
     fit = max(0.0, 1.0 - sse / max(float((alpha * alpha).sum()), 1e-6))
     snr = contrast / max(noise, 1.0)
     confidence = fit * (1.0 - float(np.exp(-((snr / 3.0) ** 2))))
+
+    # 8. one shape only: nothing else in what the fitted shape leaves, and no ghost of the source
+    target = _template(shape, cx, cy, extent, blur, h, w)
+    shapes = 1 + _other_shapes(diff, target[:, :, None] * fg_diff, ring, cell)
+    ghost = 0.0
+    if ghost_of is not None and (color, shape, size, row, col) != (
+            ghost_of.color, ghost_of.shape, ghost_of.size, ghost_of.row, ghost_of.col):
+        # (an image that reads as the source itself is an edit not done, not a ghost)
+        ghost = _ghost_opacity(diff, bg, core_rgb, shape, cx, cy, extent, ghost_of, noise)
     return Reading(found=True, color=color, shape=shape, row=row, col=col, size=size,
-                   centroid=(cx, cy), area=area, confidence=float(confidence))
+                   centroid=(cx, cy), area=area, confidence=float(confidence), shapes=shapes, ghost=ghost)
 
 
 # --------------------------------------------------------------------------- scoring
@@ -326,11 +550,13 @@ def _attrs(spec: ShapeSpec | dict[str, Any] | str) -> dict[str, Any]:
 
 
 def _compare(reading: Reading, want: dict[str, Any]) -> dict[str, bool]:
+    """Per-attribute agreement; an image that is not exactly one shape (or shows a ghost) fails all."""
+    one = reading.one_shape
     return {
-        "color": reading.found and reading.color == want["color"],
-        "position": reading.found and (reading.row, reading.col) == (want["row"], want["col"]),
-        "shape": reading.found and reading.shape == want["shape"],
-        "size": reading.found and reading.size == want["size"],
+        "color": one and reading.color == want["color"],
+        "position": one and (reading.row, reading.col) == (want["row"], want["col"]),
+        "shape": one and reading.shape == want["shape"],
+        "size": one and reading.size == want["size"],
     }
 
 
@@ -338,22 +564,29 @@ def score_t2i(img: np.ndarray, spec: ShapeSpec | dict[str, Any] | str) -> dict[s
     """Per-attribute correctness of a generated image; ``ok`` is all four together.
 
     ``spec`` may be a ShapeSpec, an attribute dict (as from ``parse_caption``) or a caption.
+    ``one_shape``: the image shows exactly one shape; when it does not, every attribute fails.
     """
-    result = _compare(read_image(img), _attrs(spec))
+    reading = read_image(img)
+    result = _compare(reading, _attrs(spec))
     result["ok"] = all(result.values())
+    result["one_shape"] = reading.one_shape
     return result
 
 
 def score_edit(target_img: np.ndarray, edit: EditSpec, source_img: np.ndarray | None = None) -> dict[str, bool]:
     """changed: the edited attribute now has the requested value; preserved: the other
     attributes still equal the source's. Both are judged against the specs (the ground
-    truth), so a misread source image cannot excuse a wrong edit. If ``source_img`` is
-    given it is read as a sanity check and reported as ``source_ok``.
+    truth), so a misread source image cannot excuse a wrong edit. ``one_shape``: the output
+    shows exactly one shape and no ghost of the source (a faint copy left where the source was,
+    or blended into the result); when it does not, changed, preserved and ok all fail. If
+    ``source_img`` is given it is read as a sanity check and reported as ``source_ok``.
     """
-    checks = _compare(read_image(target_img), edit.target.attributes())
+    reading = read_image(target_img, ghost_of=edit.source)
+    checks = _compare(reading, edit.target.attributes())
     key = "position" if edit.kind == "position" else edit.kind
     result = {"changed": checks[key], "preserved": all(v for k, v in checks.items() if k != key)}
     result["ok"] = result["changed"] and result["preserved"]
+    result["one_shape"] = reading.one_shape
     if source_img is not None:
         result["source_ok"] = all(_compare(read_image(source_img), edit.source.attributes()).values())
     return result
@@ -364,7 +597,8 @@ def _compass(dx: float, dy: float, dead_zone: float) -> tuple[int, int]:
     return (int(np.sign(dx)) if abs(dx) >= dead_zone else 0, int(np.sign(dy)) if abs(dy) >= dead_zone else 0)
 
 
-def score_keyframes(frames: np.ndarray, motion: MotionSpec | dict[str, Any]) -> dict[str, bool]:
+def score_keyframes(frames: np.ndarray, motion: MotionSpec | dict[str, Any],
+                    readings: list[Reading] | None = None) -> dict[str, bool]:
     """Score a (K, H, W, 3) keyframe sequence against a motion spec.
 
     * ``endpoints``: first frame in the start cell and last frame in the end cell.
@@ -373,14 +607,19 @@ def score_keyframes(frames: np.ndarray, motion: MotionSpec | dict[str, Any]) -> 
       ``endpoints``, useful to tell "moved the right way, overshot" from "wrong way".
     * ``consistent``: every frame shows the requested colour, shape and size, and the
       centres advance monotonically along the start->end line without straying from it.
+    * ``one_shape``: every frame shows exactly one shape; when one does not, all checks fail.
     * ``ok`` = endpoints and direction and consistent.
+
+    ``readings`` (one ``read_image`` per frame) may be passed when the caller already has them.
     """
     m = motion if isinstance(motion, dict) else {
         "shape": motion.shape, "color": motion.color, "size": motion.size, "start": motion.start, "end": motion.end}
     frames = np.asarray(frames)
-    readings = [read_image(f) for f in frames]
-    if len(readings) < 2 or not all(r.found for r in readings):
-        return {"endpoints": False, "direction": False, "consistent": False, "ok": False}
+    if readings is None:
+        readings = [read_image(f) for f in frames]
+    one_shape = len(readings) > 0 and all(r.one_shape for r in readings)
+    if len(readings) < 2 or not one_shape:
+        return {"endpoints": False, "direction": False, "consistent": False, "ok": False, "one_shape": one_shape}
     cell = min(frames.shape[1:3]) / 3.0
     first, last = readings[0], readings[-1]
     endpoints = (first.row, first.col) == tuple(m["start"]) and (last.row, last.col) == tuple(m["end"])
@@ -401,7 +640,7 @@ def score_keyframes(frames: np.ndarray, motion: MotionSpec | dict[str, Any]) -> 
     straight = bool(np.all(np.abs(across) < 0.5 * cell))
     consistent = same and monotonic and straight
     return {"endpoints": endpoints, "direction": direction, "consistent": consistent,
-            "ok": endpoints and direction and consistent}
+            "ok": endpoints and direction and consistent, "one_shape": True}
 
 
 def accuracy(results: list[dict[str, bool]]) -> dict[str, float]:
