@@ -8,11 +8,11 @@
 2. ``vs_on_the_fly_ratio``: loader samples/s over an on-the-fly pipeline (PNG decode + resize + crop +
    encode with a diffusers ``AutoencoderKL`` in FLUX's configuration, random weights) at 256^2 on the
    same images.
-3. With ``--train`` (needs Ray): ``difftrain shapes export`` -> ``prepare`` (``prepare_images_per_s``,
+3. ``train``: ``difftrain shapes export`` -> ``prepare`` (``prepare_images_per_s``,
    ``store_bytes_per_sample``) -> training shapes-tiny from the store (``data_wait_fraction``: data wait
    over step time, from the run's metrics).
 
-    python bench/loader.py [--n 1024] [--train]
+    python bench/loader.py [--n 1024] [--parts bandwidth,fly,train]
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def on_the_fly_part(root: Path, vae_path: str, n_images: int, threads: int) -> d
             "vs_on_the_fly_ratio": round(rate / fly, 1)}
 
 
-def train_part(root: Path) -> dict:
+def train_part(root: Path, steps: int) -> dict:
     import subprocess
     import sys
 
@@ -176,15 +176,16 @@ def train_part(root: Path) -> dict:
                    stdout=subprocess.DEVNULL)
     store = root / "shapes-store"
     cfg_path = root / "store.toml"
-    cfg_path.write_text(Path(__file__).with_name("loader_store.toml").read_text()
-                        .replace("@EXPORT@", str(exp)).replace("@STORE@", str(store)))
+    from difftrain.config import preset_path
+    cfg_path.write_text(preset_path("shapes-store").read_text().replace('"shapes-export/', f'"{exp}/')
+                        .replace('store = "shapes-store"', f'store = "{store}"'))
     out = subprocess.run([sys.executable, "-m", "difftrain.cli", "prepare", str(cfg_path), "--no-progress"],
                          check=True, capture_output=True, text=True)
     prep = json.loads(out.stdout.strip().splitlines()[-1])
     store_bytes = sum(f.stat().st_size for f in (store / "tables").rglob("*") if f.is_file())
     run_dir = root / "run"
     subprocess.run([sys.executable, "-m", "difftrain.cli", "train", str(cfg_path), "--run-dir", str(run_dir),
-                    "--no-progress", "--set", "train.steps=300", "--set", "train.log_every=1",
+                    "--no-progress", "--set", f"train.steps={steps}", "--set", "train.log_every=1",
                     "--set", "train.checkpoint_every=0"], check=True, capture_output=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "data_s" in r][10:]          # past start-up
@@ -200,17 +201,24 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1024, help="samples in the 1024^2 store (512 KiB each)")
     ap.add_argument("--fly", type=int, default=24, help="images for the on-the-fly comparison")
     ap.add_argument("--threads", type=int, default=8, help="loader read threads")
-    ap.add_argument("--train", action="store_true", help="also export -> prepare -> train from the store")
+    ap.add_argument("--parts", default="bandwidth,fly,train",
+                    help="comma-separated: bandwidth (1024^2 store vs raw reads), fly (vs on-the-fly encoding), "
+                         "train (export -> prepare -> train from the store)")
+    ap.add_argument("--train-steps", type=int, default=300, help="training steps of the train part")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
-        vae = vae_dir(root)
+        parts = set(args.parts.split(","))
         out = {}
-        out.update(bandwidth_part(root, vae, args.n, args.threads))
-        out.update(on_the_fly_part(root, vae, args.fly, args.threads))
-        if args.train:
-            out.update(train_part(root))
+        if parts & {"bandwidth", "fly"}:
+            vae = vae_dir(root)
+        if "bandwidth" in parts:
+            out.update(bandwidth_part(root, vae, args.n, args.threads))
+        if "fly" in parts:
+            out.update(on_the_fly_part(root, vae, args.fly, args.threads))
+        if "train" in parts:
+            out.update(train_part(root, args.train_steps))
         print(json.dumps(out))
 
 
