@@ -395,3 +395,25 @@ def test_json_has_the_fields_the_cli_prints(dit24b):
 def test_bad_input_is_a_user_error(kwargs, words):
     with pytest.raises(UserError, match=words):
         plan(load_config(None), **kwargs)
+
+
+def test_a_store_curriculum_is_planned_at_its_worst_bucket_and_micro_batch():
+    """The planner reads the store loader's buckets: each at its own cost-balanced micro-batch; the worst one
+    sets the memory, and a bucket whose global batch the data-parallel size does not divide is a problem."""
+    from difftrain.config import load_config, preset_path
+    from difftrain.parallel.planner import plan
+
+    stages = ('[{name = "a", start_step = 0, buckets = [[512, 512]], global_batch = 64}, '
+              '{name = "b", start_step = 100, buckets = [[1024, 1024], [768, 1344]], global_batch = 64, '
+              'micro_cost = 4096}]')
+    cfg = load_config(preset_path("flux-dev"), ["data.source=store", "data.store=/nowhere", f"data.stages={stages}"])
+    p = plan(cfg, 16, 141)
+    assert set(p.context["buckets"]) >= {"a/512x512/t2i", "b/1024x1024/t2i", "b/768x1344/edit"}
+    best = next(s for s in p.strategies if s.recommended)
+    assert best.worst_bucket.startswith(("a/", "b/"))
+    # the 1024^2 t2i bucket (4096 tokens) may hold one sample per micro-step: micro_cost 4096 / 4096
+    assert p.context["buckets"]["b/1024x1024/t2i"]["img_tokens"] == 4096
+    odd = load_config(preset_path("flux-dev"), ["data.source=store", "data.store=/nowhere", "data.stages="
+                      '[{name = "a", start_step = 0, buckets = [[512, 512]], global_batch = 24}]'])
+    assert all(any("bucket a/512x512" in q for q in s.problems) for s in plan(odd, 16, 141).strategies
+               if s.dp_replicate * s.dp_shard == 16)

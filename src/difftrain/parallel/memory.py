@@ -119,6 +119,23 @@ def task_shapes(cfg: Config) -> dict[str, tuple[int, int, float]]:
     return out or {"t2i": (per_frame, cfg.text.max_tokens, 1.0)}
 
 
+def bucket_shapes(cfg: Config) -> list[tuple[str, int, int, object, int]]:
+    """Per (stage, bucket, task) of a store-fed curriculum: (name, image tokens, text tokens, Bucket, frames),
+    the same buckets, global batches and cost-balanced micro-batches the store loader uses ([] without one)."""
+    if cfg.data.source != "store":
+        return []
+    from difftrain.data.curriculum import parse_stages
+    d = cfg.data
+    frames = {"t2i": (1, d.t2i_weight), "edit": (2, d.edit_weight), "keyframes": (d.frames, d.keyframe_weight)}
+    out = []
+    for stage in parse_stages(cfg):
+        for b in stage.buckets:
+            for task, (f, w) in frames.items():
+                if w > 0:
+                    out.append((f"{stage.name}/{b.name}/{task}", b.tokens(f), cfg.text.max_tokens, b, f))
+    return out
+
+
 def frozen_encoder_bytes(cfg: Config, device: str) -> int:
     """The frozen text encoders ('hf': T5-XXL + CLIP-L) and VAE ('diffusers') resident for online encoding."""
     n = (T5_XXL_ENCODER_PARAMS + CLIP_L_TEXT_PARAMS if cfg.text.kind == "hf" else 0)

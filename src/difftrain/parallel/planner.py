@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from difftrain.config.schema import Config
 from difftrain.errors import UserError
 from difftrain.parallel.memory import (Inventory, block_activation_bytes, estimate_single_gpu, frozen_encoder_bytes,
-                                       inventory, parse_ac, rank_bytes, task_shapes)
+                                       bucket_shapes, inventory, parse_ac, rank_bytes, task_shapes)
 
 __all__ = ["Assumptions", "Plan", "Strategy", "block_activation_bytes", "estimate_single_gpu", "plan",
            "task_shapes"]
@@ -58,6 +58,7 @@ class Strategy:
     step_time_cost: dict = field(default_factory=dict)
     alternative: dict | None = None     # the other grad_sync: fits, total, step_s
     recommended: bool = False
+    worst_bucket: str = ""      # a store curriculum: the (stage/bucket/task) whose micro-step needs the most memory
 
     @property
     def settings(self) -> dict:
@@ -72,7 +73,7 @@ class Strategy:
 
     def to_json(self) -> dict:
         keys = ("name", "fits", "recommended", "base", "ac", "cpu_offload", "grad_sync", "settings", "problems",
-                "per_gpu_bytes", "host_bytes", "step_time_cost", "alternative")
+                "per_gpu_bytes", "host_bytes", "step_time_cost", "alternative", "worst_bucket")
         return {k: copy.copy(getattr(self, k)) for k in keys}
 
 
@@ -120,6 +121,24 @@ def _evaluate(s: Strategy, cx: _Ctx, micro_override: int | None = None, timing: 
     sync = s.grad_sync if cx.gpus > 1 else "every"
     b = rank_bytes(cx.model, W, -(-N // s.cp), -(-T // s.cp), micro, accum, s.ac, sync, s.cpu_offload,
                    cfg.train.ema_decay > 0, encoders, cx.autocast, cx.a.rms_norm_fused and cx.device == "cuda")
+    buckets = bucket_shapes(cfg)
+    if buckets:        # a store curriculum: the worst of its buckets, each at its own cost-balanced micro-batch
+        s.problems = [p for p in s.problems if not p.startswith("train.")]
+        worst = None
+        for name, n_img, n_txt, bucket, frames in buckets:
+            if bucket.global_batch % dp:
+                s.problems.append(f"bucket {name}: global batch {bucket.global_batch} is not divisible by the "
+                                  f"data-parallel size {dp}")
+                continue
+            share_b = bucket.global_batch // dp
+            micro_b = micro_override or bucket.micro_for(frames, share_b)
+            bb = rank_bytes(cx.model, W, -(-n_img // s.cp), -(-n_txt // s.cp), micro_b, math.ceil(share_b / micro_b),
+                            s.ac, sync, s.cpu_offload, cfg.train.ema_decay > 0, encoders, cx.autocast,
+                            cx.a.rms_norm_fused and cx.device == "cuda")
+            if worst is None or bb["total"] > worst[0]["total"]:
+                worst = (bb, name, micro_b)
+        if worst is not None:
+            b, s.worst_bucket = worst[0], worst[1]
     s.host_bytes, recomputed = b.pop("host"), b.pop("recomputed")
     s.per_gpu_bytes = b
     s.fits = b["total"] <= cx.usable and not s.problems
@@ -438,6 +457,10 @@ def plan(cfg: Config, gpus: int, gpu_mem_gb: float, nodes: int | None = None, gp
         "largest_task": {"name": name, "img_tokens": N, "txt_tokens": T, "tokens": N + T},
         "tasks": {k: {"img_tokens": n, "txt_tokens": t, "weight": w} for k, (n, t, w) in cx.tasks.items()},
         "global_batch": cfg.train.global_batch, "micro_batch": cfg.train.micro_batch or "the rank's share",
+        "buckets": {n: {"img_tokens": i, "txt_tokens": t, "global_batch": b.global_batch, "frames": f,
+                        "micro_batch_cap": b.micro_batch or (f"micro_cost {b.micro_cost:g} / tokens^{b.cost_power:g}"
+                                                             if b.micro_cost else "the rank's share")}
+                    for n, i, t, b, f in bucket_shapes(cfg)},
         "precision": "bf16 autocast over fp32 master weights" if cx.autocast else "fp32",
         "conventions": [
             "bytes are the largest rank's; total is the peak over the step's phases, not the sum of the parts",
