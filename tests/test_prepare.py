@@ -21,6 +21,7 @@ from difftrain.data.shapes_export import export_shapes
 from difftrain.errors import UserError
 
 from conftest import TINY
+from test_encoders import tiny, tiny_vae  # noqa: F401 - fixtures: real tiny T5 + CLIP and AutoencoderKL on disk
 
 pytestmark = pytest.mark.slow
 
@@ -177,3 +178,83 @@ def test_train_from_the_store_through_the_curriculum_then_eval(prepared, tmp_pat
     assert 0.0 <= metrics["t2i_color_acc"] <= 1.0
     trainer.close()
     del grids
+
+
+def test_prepare_killed_with_sigkill_resumes_to_the_same_content(ray_local, export, tmp_path, prepared):
+    """A real kill: ``difftrain prepare`` in its own process group (driver and its local Ray) gets SIGKILL once
+    its first commit is in the manifest; the committed versions survive and a re-run completes them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    store = tmp_path / "killed"
+    cfg = shapes_cfg(export, store)
+    from difftrain.config import to_toml
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(to_toml(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "difftrain.cli", "prepare", str(cfg_path), "--no-progress",
+                             "--commit-every", "8"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            m = st.read_manifest(str(store)) if (store / "store.json").exists() else None
+            if m and m["tables"]:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "prepare finished before it could be killed: " + proc.stderr.read().decode()[-500:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    partial = table_content(str(store))
+    n_partial = sum(len(v) for v in partial.values())
+    assert 0 < n_partial < prepared[1]["encoded"]
+    done = prepare(cfg, progress=False, commit_every=8)
+    assert done["encoded"] == prepared[1]["encoded"] - n_partial     # only what was missing
+    assert table_content(str(store)) == table_content(prepared[0].data.store)
+
+
+def test_frozen_text_encoders_store_embeddings_the_trainer_reads(ray_local, export, tmp_path, tiny, tiny_vae):
+    """text.kind = 'hf' with a diffusers AutoencoderKL: prepare stores T5/CLIP embeddings at their true length;
+    the loader serves them (the empty prompt's for caption dropout) and the trainer uses them instead of
+    running the encoders."""
+    from difftrain.data.store_loader import StoreLoader
+    from difftrain.models import build_text_encoder
+    from difftrain.train.trainer import Trainer
+
+    store = tmp_path / "hf"
+    one_stage = '[{name = "s", start_step = 0, buckets = [[32, 32], [32, 48], [48, 32]], global_batch = 4}]'
+    cfg = shapes_cfg(export, store, "text.kind=hf", f"text.t5_path={tiny['t5']}", f"text.clip_path={tiny['clip']}",
+                     "text.max_tokens=96", "autoencoder.kind=diffusers", f"autoencoder.path={tiny_vae[1]}",
+                     f"data.stages={one_stage}", "train.steps=3", "train.checkpoint_every=0",
+                     "data.caption_dropout=0.5")
+    summary = prepare(cfg, progress=False)
+    assert summary["encoded"] == summary["kept"]
+    name = "s/32x32/t2i"
+    ds = lance.dataset(st.table_uri(str(store), name))
+    t = ds.to_table(columns=["caption", "txt", "txt_len", "pooled"]).slice(0, 3).to_pylist()
+    enc = build_text_encoder(cfg, None, "cpu").eval()
+    with torch.no_grad():
+        emb = enc(enc.tokenize([r["caption"] for r in t]))
+    for j, r in enumerate(t):
+        n = int(emb.mask_BT[j].sum())
+        assert r["txt_len"] == n                       # the true length: no padding is kept
+        got = st.from_bits(np.asarray(r["txt"], np.uint16), "bf16").reshape(n, -1)
+        assert torch.allclose(got, emb.txt_BTD[j, :n].to(torch.bfloat16).float())
+        pooled = st.from_bits(np.asarray(r["pooled"], np.uint16), "bf16")
+        assert torch.allclose(pooled, emb.pooled_BP[j].to(torch.bfloat16).float())
+    loader = StoreLoader(cfg, None)
+    (batch, *_) = next(loader)
+    assert batch.text is not None and batch.tokens == {}
+    assert batch.text.txt_BTD.shape[:2] == batch.text.mask_BT.shape
+    loader.close()
+    trainer = Trainer(cfg, tmp_path / "run")
+    calls = []
+    original = trainer.text_encoder.forward
+    trainer.text_encoder.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    trainer.fit()
+    assert trainer.step == 3 and not calls, "the trainer ran the frozen encoders instead of reading the store"
+    trainer.close()

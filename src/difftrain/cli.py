@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start Ray locally)")
     p.add_argument("--overwrite", action="store_true",
                    help="write tables whose cache key differs as new Lance versions instead of refusing")
+    p.add_argument("--commit-every", type=int, default=256, metavar="ROWS",
+                   help="rows per table between Lance commits (what a killed run keeps; default 256)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_set(p)
 
@@ -244,8 +246,9 @@ def cmd_prepare(args) -> int:
     from difftrain.data.prepare import prepare
 
     cfg = load_config(resolve_config(args.config), args.overrides)
+    _check_positive("--commit-every", args.commit_every)
     summary = prepare(cfg, dry_run=args.dry_run, ray_address=args.ray_address, overwrite=args.overwrite,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, commit_every=args.commit_every)
     summary.pop("facts_pids", None)
     summary.pop("write_pids", None)
     if args.dry_run:

@@ -79,7 +79,10 @@ class Trainer:
         self.amp = amp_dtype(tc.precision, self.device)
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        self.micro_batch, self.accum = batch_split(tc.global_batch, tc.micro_batch, self.env.dp_size)
+        if cfg.data.source == "store":   # global and micro-batches per bucket: the store loader checks them
+            self.micro_batch, self.accum = 0, 1
+        else:
+            self.micro_batch, self.accum = batch_split(tc.global_batch, tc.micro_batch, self.env.dp_size)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_checkpoints)
         resume = self.checkpointer.latest()
         info = Checkpointer.read_info(resume) if resume else None
@@ -270,6 +273,9 @@ class Trainer:
                   "data_s": round(data_s, 4), "step_s": round(step_s, 4),
                   "samples_per_s": round(stats.samples / total_s, 2), "tokens_per_s": round(stats.tokens / total_s, 1),
                   "train_seconds": round(self.train_seconds, 2)}
+        errors = getattr(self.loader, "errors", None)
+        if errors is not None:       # per-sample data faults skipped so far (damaged store rows)
+            values["data_errors"] = errors
         if self.peak:
             values["mfu"] = round(mfu(stats.flops, total_s, self.env.world, self.peak), 5)
         if graphs != self.compiled_graphs:
