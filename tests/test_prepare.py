@@ -258,3 +258,21 @@ def test_frozen_text_encoders_store_embeddings_the_trainer_reads(ray_local, expo
     trainer.fit()
     assert trainer.step == 3 and not calls, "the trainer ran the frozen encoders instead of reading the store"
     trainer.close()
+
+
+def test_cli_export_and_dry_run(ray_local, tmp_path, capsys):
+    from difftrain.cli import main
+    from difftrain.config import to_toml
+
+    assert main(["shapes", "export", str(tmp_path / "exp"), "--n", "12", "8", "6"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "exp" / "export.json").read_text())["counts"] == summary["counts"]
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text(to_toml(shapes_cfg(tmp_path / "exp", tmp_path / "store")))
+    assert main(["prepare", str(cfg_path), "--dry-run", "--no-progress"]) == 0
+    out = capsys.readouterr()
+    dry = json.loads(out.out.strip().splitlines()[-1])
+    assert dry["inputs"] == sum(dry["reasons"].values()) and dry["kept"] == dry["reasons"]["kept"]
+    assert "score: quality < 0.5" in out.err                       # the counts per reason, printed
+    assert not (tmp_path / "store").exists()
+    assert main(["prepare", str(cfg_path), "--commit-every", "0"]) == 2
