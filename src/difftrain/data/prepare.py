@@ -43,8 +43,8 @@ def start_ray(address: str | None = None):
                                       configure_logging=False)
         if address:
             ray.init(address=address, **kwargs)
-        else:
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), **kwargs)
+        else:       # a new local cluster, never one another process on this machine happens to run
+            ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), **kwargs)
     from ray.data import DataContext
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
