@@ -134,39 +134,3 @@ def test_world_prompts_match_the_rendered_examples():
         assert WORLD.prompt("t2i", i) == WORLD.t2i(i)[1]
         assert WORLD.prompt("edit", i) == WORLD.edit(i)[2]
         assert WORLD.prompt("keyframes", i) == WORLD.keyframes(i)[1]
-
-
-def test_prefetched_source_keeps_the_sequence_and_the_consumed_state():
-    """Read ahead in a thread: the same batches in the same order, and a state that counts consumed steps
-    only (a resume from it continues exactly, although the thread has read further)."""
-    from difftrain.data.prefetch import Prefetched
-
-    plain = loader()
-    ahead = Prefetched(loader(), depth=3)
-    for _ in range(5):
-        assert _same(one(plain), one(ahead))
-    assert ahead.state_dict() == plain.state_dict()
-    assert ahead.source.step > 5                    # the thread has read ahead of what was consumed
-    state = ahead.state_dict()
-    resumed = Prefetched(loader(), depth=2)
-    resumed.load_state_dict(state)
-    for _ in range(3):
-        assert _same(one(plain), one(resumed))
-    ahead.close()
-    resumed.close()
-    with pytest.raises(RuntimeError, match="before the first step"):
-        resumed.load_state_dict(state)
-
-
-def test_prefetched_source_raises_the_readers_error():
-    from difftrain.data.prefetch import Prefetched
-
-    class Broken:
-        def state_dict(self):
-            return {}
-
-        def __next__(self):
-            raise ValueError("image 7 is unreadable")
-
-    with pytest.raises(ValueError, match="image 7"):
-        next(Prefetched(Broken()))

@@ -4,7 +4,7 @@ store) and the data sources training reads.
 A *data source* is an iterator that yields, per optimizer step, this data rank's micro-batches of the
 step's global batch (a list of ``Batch``) and has ``state_dict`` / ``load_state_dict`` (positions of
 batches consumed by the optimizer). ``data.source`` picks one: ``shapes`` (``ShapesLoader``, the
-procedural world rendered on the fly, in a background thread ``data.prefetch`` steps ahead) or ``store`` (``StoreLoader``, the latent store).
+procedural world rendered on the fly) or ``store`` (``StoreLoader``, the latent store).
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ def build_source(cfg, autoencoder, text_encoder, rank: int = 0, num_ranks: int =
         from difftrain.data.store_loader import StoreLoader
         tokenize = None if cfg.text.kind == "hf" else text_encoder.tokenize   # frozen encoders: embeddings stored
         return StoreLoader(cfg, tokenize, rank, num_ranks, device)
-    from difftrain.data.prefetch import Prefetched
     from difftrain.data.shapes_loader import ShapesLoader
-    return Prefetched(ShapesLoader(world_from_config(d, cfg.run.seed), autoencoder, text_encoder.tokenize, cfg.train.global_batch,
+    return ShapesLoader(world_from_config(d, cfg.run.seed), autoencoder, text_encoder.tokenize, cfg.train.global_batch,
                         {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight}, d.world_size,
                         d.caption_dropout, d.keyframe_cond_prob, cfg.run.seed, micro_batch=micro_batch, rank=rank,
-                        num_ranks=num_ranks), d.prefetch)
+                        num_ranks=num_ranks)
 
 
 __all__ = ["ShapesWorld", "world_from_config", "vocabulary_for", "build_source"]
