@@ -170,7 +170,6 @@ def test_train_from_the_store_through_the_curriculum_then_eval(prepared, tmp_pat
     cfg, _ = prepared
     cfg.train.steps, cfg.train.checkpoint_every, cfg.train.log_every = 10, 0, 1
     trainer = Trainer(cfg, tmp_path / "run")
-    grids = []
     trainer.fit(lambda step, total, stats: None)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     seqs = [(r["step"], r["seq"][0]) for r in rows if "seq" in r]
@@ -181,7 +180,6 @@ def test_train_from_the_store_through_the_curriculum_then_eval(prepared, tmp_pat
     metrics, _ = evaluate(trainer.pipeline(), ShapesWorld(cfg.eval.seed, 32, 3), 2, 2, 1.5)
     assert 0.0 <= metrics["t2i_color_acc"] <= 1.0
     trainer.close()
-    del grids
 
 
 def test_prepare_killed_with_sigkill_resumes_to_the_same_content(ray_local, export, tmp_path, prepared):

@@ -17,7 +17,8 @@ its global batch cannot keep that promise and is left out, with a warning.
 **Ranks.** Data rank r of D reads slice r of the global batch (D must divide every bucket's global batch
 of the stages still to come), split into micro-batches of at most the bucket's cost-balanced size
 (``Bucket.micro_for``). Per-example draws (caption dropout, which keyframes are given) are functions of
-(seed, step, slot in the global batch); text is padded to the global batch's longest prompt.
+(seed, step, slot in the global batch); text is padded to one length per step whatever the split
+(stored embeddings: the global batch's longest; captions: the encoder's token limit).
 
 **State** (in checkpoints): steps consumed by the optimizer (not prefetched), each stream's (epoch,
 position) at that point, the global batch per bucket and the table versions. Resuming on any world
@@ -142,9 +143,6 @@ class _Table:
             raise UserError(f"store table {self.info.name}: sample ids missing from version {self.version}")
         return self.rows[pos]
 
-    def read(self, ids: list[int], columns: list[str]):
-        return self.ds.take(self.row_of(ids).tolist(), columns=columns)
-
 
 class NodeCache:
     """Copies tables from a shared store into a node-local directory, ahead of use, with LRU eviction."""
@@ -230,7 +228,6 @@ class StoreLoader:
     def __init__(self, cfg, tokenize=None, rank: int = 0, num_ranks: int = 1, device: torch.device | str = "cpu"):
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
-        import lance
 
         d = cfg.data
         self.cfg, self.seed, self.tokenize = cfg, cfg.run.seed, tokenize
@@ -271,7 +268,6 @@ class StoreLoader:
         self.planned = 0                  # steps planned (>= self.step, the steps consumed)
         self.count_lock = threading.Lock()
         self._consumed = self._positions()
-        self._lance = lance
 
     # ---- streams ---------------------------------------------------------------------------------
     def _streams(self) -> dict[str, list[Stream]]:
@@ -354,7 +350,8 @@ class StoreLoader:
         if self.cache is not None:
             local = self.cache.ready(name)
             if local is not None and t.uri != str(local):
-                t.ds, t.uri = self._lance.dataset(str(local), version=t.version), str(local)
+                import lance
+                t.ds, t.uri = lance.dataset(str(local), version=t.version), str(local)
         return t
 
     def _columns(self, table: _Table) -> list[str]:
@@ -438,12 +435,14 @@ class StoreLoader:
         return out
 
     def _text_lengths(self, table: _Table, plan: dict) -> int:
-        """Text length of the whole global batch (every micro-batch is padded to it)."""
+        """Text length every micro-batch of the step is padded to, the same however the global batch is split
+        (padding is attended): stored embeddings, the global batch's longest (from the index); captions,
+        the encoder's token limit (only this rank's captions are read)."""
         if table.info.text_embeddings:
             lens = table.txt_len[np.searchsorted(table.sorted_ids, np.asarray(plan["ids"], dtype=np.int64))]
             empty = self.empty_text["txt"].shape[0] if self.empty_text is not None else 1
             return int(max(empty if d else int(n) for n, (_, d) in zip(lens, plan["draws"])))
-        return -1   # tokenized below, from the captions
+        return self.cfg.text.max_tokens
 
     def _collate(self, table: _Table, task: str, rows: list[dict], draws: list, ids: list[int], txt_len: int) -> Batch:
         shape = table.info.latent_shape
@@ -469,7 +468,7 @@ class StoreLoader:
         elif self.tokenize is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                batch.tokens = self.tokenize(prompts)
+                batch.tokens = pad_tokens(self.tokenize(prompts), txt_len)
         if self.pin:
             batch = batch.pin_memory()
         return batch
