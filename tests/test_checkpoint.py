@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from difftrain.errors import UserError
-from difftrain.train.checkpoint import FORMAT, Checkpointer
+from difftrain.train import faults
+from difftrain.train.checkpoint import FORMAT, MARKER, Checkpointer, verify
 from difftrain.train.ema import EMA
 
 
@@ -27,7 +28,7 @@ def test_save_load_round_trip_of_model_optimizer_ema(tmp_path):
     _train(m, opt)
     ema.update()
     ck = Checkpointer(tmp_path)
-    path = ck.save(3, m, opt, ema, {"loader": {"step": 3}, "ema_updates": ema.updates})
+    path = ck.save(3, m, opt, ema, {"loader": {"step": 3}, "ema_updates": ema.updates}).path
 
     m2 = _model()
     with torch.no_grad():
@@ -54,10 +55,12 @@ def test_save_load_round_trip_of_model_optimizer_ema(tmp_path):
 
 def test_no_pickle_files_and_format_marker(tmp_path):
     m = _model()
-    path = Checkpointer(tmp_path).save(1, m, None, None, {})
+    path = Checkpointer(tmp_path).save(1, m, None, None, {}).path
     names = sorted(p.name for p in path.iterdir())
     assert all(n.endswith((".safetensors", ".json")) for n in names), names
     assert json.loads((path / "trainer.json").read_text())["format"] == FORMAT
+    marker = json.loads((path / MARKER).read_text())
+    assert set(marker["files"]) == set(names) - {MARKER} and verify(path) is None
 
 
 def test_keeps_newest_and_ignores_partial(tmp_path):
@@ -87,7 +90,93 @@ def test_foreign_or_broken_checkpoints_are_clear_user_errors(tmp_path):
 
 
 def test_loading_into_a_different_model_is_a_user_error(tmp_path):
-    path = Checkpointer(tmp_path).save(1, _model(), None, None, {})
+    path = Checkpointer(tmp_path).save(1, _model(), None, None, {}).path
     other = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 5), "b": torch.nn.Linear(5, 2)})
     with pytest.raises(UserError, match="does not match"):
         Checkpointer.load(path, other)
+
+
+def test_async_save_snapshot_is_not_torn_by_the_next_step(tmp_path):
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _train(m, opt)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ck = Checkpointer(tmp_path, async_save=True)
+    res = ck.save(3, m, opt, None, {})
+    with torch.no_grad():                     # the next optimizer step changes the weights in place
+        for p in m.parameters():
+            p.mul_(-3.0).add_(7.0)
+    done = ck.wait()
+    assert done.error is None and res.stall_s >= 0 and done.write_s >= res.stall_s
+    m2 = _model()
+    Checkpointer.load(ck.latest(), m2)
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ck.close()
+
+
+def test_marker_missing_or_checksum_wrong_falls_back_to_previous(tmp_path):
+    m = _model()
+    events = []
+    ck = Checkpointer(tmp_path, keep=5, on_event=lambda kind, step, **i: events.append((kind, step)))
+    for s in (1, 2, 3):
+        ck.save(s, m, None, None, {})
+    d = tmp_path / "checkpoints"
+    # a flipped byte in the newest: reported, set aside (not deleted), the previous one is used
+    f = next((d / "step_00000003").glob("*.safetensors"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert "checksum" in verify(d / "step_00000003")
+    assert ck.latest().name == "step_00000002"
+    assert (d / "step_00000003.bad").is_dir() and ("checkpoint_skipped", 3) in events
+    # no marker (a save killed before sealing, renamed by hand): skipped too
+    (d / "step_00000002" / MARKER).unlink()
+    assert ck.latest().name == "step_00000001"
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        Checkpointer.read_info(d / "step_00000002")
+    # a truncated file fails on its size without reading it
+    g = next((d / "step_00000001").glob("*.safetensors"))
+    g.write_bytes(g.read_bytes()[:10])
+    assert "bytes" in verify(d / "step_00000001", checksums=False)
+    assert ck.latest() is None
+
+
+def test_retention_keeps_last_k_and_every_nth(tmp_path):
+    m = _model()
+    ck = Checkpointer(tmp_path, keep=2, keep_every=4)
+    for s in range(1, 10):
+        ck.save(s, m, None, None, {})
+    assert [int(p.name[5:]) for p in ck.complete_steps()] == [4, 8, 9]
+    ck2 = Checkpointer(tmp_path / "b", keep=2)
+    for s in range(1, 4):
+        ck2.save(s, m, None, None, {})
+    assert [int(p.name[5:]) for p in ck2.complete_steps()] == [2, 3]
+
+
+@pytest.mark.parametrize("kind", ["enospc", "erofs"])
+@pytest.mark.parametrize("async_save", [False, True])
+def test_write_failure_leaves_previous_checkpoint_intact(tmp_path, monkeypatch, kind, async_save):
+    m = _model()
+    monkeypatch.setenv("DIFFTRAIN_FAULTS", f"{kind}@2")
+    faults.configure(tmp_path, 0)
+    events = []
+    ck = Checkpointer(tmp_path, async_save=async_save, on_event=lambda k, s, **i: events.append((k, s, i)))
+    ck.save(1, m, None, None, {})
+    ck.wait()
+    if async_save:
+        ck.save(2, m, None, None, {})
+        assert ck.wait().error is not None
+    else:
+        with pytest.raises(UserError, match="previous one is intact"):
+            ck.save(2, m, None, None, {})
+    d = tmp_path / "checkpoints"
+    assert ck.latest().name == "step_00000001" and verify(d / "step_00000001") is None
+    assert not (d / "step_00000002").exists() and not (d / "step_00000002.partial").exists()
+    assert any(k == "checkpoint_failed" and s == 2 for k, s, _ in events)
+    ck.save(3, m, None, None, {})          # the next save (the fault fired once) succeeds
+    ck.wait()
+    assert ck.latest().name == "step_00000003"
+    monkeypatch.delenv("DIFFTRAIN_FAULTS")
+    faults.configure(tmp_path, 0)
+    ck.close()

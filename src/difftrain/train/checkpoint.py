@@ -6,26 +6,40 @@ Layout of ``RUN/checkpoints/step_00000123/``:
   its own shards (with their offsets in the file header; a replicated tensor is written once), and a
   load reshards onto any other world size. No RNG state is kept: every random draw of training is a
   function of (seed, step, sample index), so nothing per-rank needs restoring.
-- ``trainer.json``: everything that is not a tensor: step, loader and schedule state, optimizer
-  hyper-parameters, the resolved config and the text encoder's vocabulary, and a format marker.
+- ``trainer.json``: everything that is not a tensor: step, samples seen, loader and curriculum state,
+  schedule state, optimizer hyper-parameters, the resolved config and the text encoder's vocabulary.
+- ``COMPLETE.json``, written last: the size and SHA-256 of every other file.
 
-Nothing is loaded with pickle (DCP's default metadata file is a pickle; its safetensors reader
-rebuilds the metadata from safetensors headers). A checkpoint is written to ``step_N.partial`` and
-renamed when complete, then ``latest`` is updated atomically: a crash mid-save leaves the previous
-checkpoint as the newest complete one.
+A save writes into ``step_N.partial``; the marker is written when every rank's shards and trainer.json
+are on disk (and fsynced); then the directory is renamed to ``step_N`` and ``latest`` is replaced
+atomically. A checkpoint counts only with its marker and only if every file matches it: ``latest()``
+reports and skips one that does not (renaming it ``step_N.bad``, never deleting it) and falls back to the
+previous. A crash or a write error mid-save leaves the previous checkpoint as the newest complete one.
+
+Saves are asynchronous by default: the state is staged (copied to host memory, pinned on GPUs) before
+``save`` returns, so the next optimizer step cannot tear the snapshot, and written by a background thread
+over a process group of its own while training goes on. The stall (staging plus planning) is returned and
+logged. Nothing is loaded with pickle (DCP's default metadata file is a pickle; its safetensors reader
+rebuilds the metadata from the safetensors headers).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -33,9 +47,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from difftrain.errors import UserError
+from difftrain.train import faults
 
-FORMAT = "difftrain-checkpoint/1"
+log = logging.getLogger("difftrain.checkpoint")
+
+FORMAT = "difftrain-checkpoint/2"
+MARKER = "COMPLETE.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+PARTIAL_DIR = re.compile(r"^step_(\d{8})\.partial$")
 
 
 def _quiet(fn, *args, **kwargs):
@@ -46,27 +65,27 @@ def _quiet(fn, *args, **kwargs):
 
 
 def _is_rank0() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _distributed() -> bool:
-    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _all_ok(ok: bool) -> bool:
     """True on every rank if it is true on every rank (a barrier that carries a verdict, so that a failure on
     one rank is an error on all of them, not a wait until the collective timeout)."""
-    if not torch.distributed.is_initialized():
+    if not dist.is_initialized():
         return ok
     flag = torch.tensor([1.0 if ok else 0.0])
-    if torch.distributed.get_backend() == "nccl":
+    if dist.get_backend() == "nccl":
         flag = flag.cuda()
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -77,37 +96,145 @@ def _split(prefix: str, sd: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str
 
 
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+_CHUNK = 8 << 20
+
+
+def file_digest(path: Path, sync: bool = False) -> tuple[int, str]:
+    """(bytes, SHA-256 hex) of a file; with ``sync`` the file is also fsynced (its pages reach the disk)."""
+    h, n = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return n, h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def verify(path: str | Path, checksums: bool = True) -> str | None:
+    """None if the checkpoint directory is complete and every file matches its marker, else what is wrong."""
+    p = Path(path)
+    marker = p / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} (the save did not finish)"
+    try:
+        doc = json.loads(marker.read_text())
+        files = doc["files"]
+        assert isinstance(files, dict) and files
+    except (OSError, ValueError, KeyError, AssertionError, UnicodeDecodeError) as e:
+        return f"{MARKER} is unreadable ({type(e).__name__})"
+    for name, want in files.items():
+        f = p / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, its marker says {want['bytes']}"
+        if checksums:
+            _, digest = file_digest(f)
+            if digest != want["sha256"]:
+                return f"{name} fails its SHA-256 checksum"
+    if "trainer.json" not in files:
+        return "trainer.json is not listed in the marker"
+    return None
+
+
+@dataclass
+class SaveResult:
+    """What one save cost and where it went. ``stall_s``: training time lost to it (staging and planning for
+    an async save, everything for a blocking one)."""
+    step: int
+    path: Path
+    stall_s: float
+    started: float
+    write_s: float = 0.0
+    bytes: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Pending:
+    step: int
+    future: concurrent.futures.Future
+    result: SaveResult
+    done: list[SaveResult] = field(default_factory=list)
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str | Path, keep: int = 2):
+    """Saves (async by default), verifies, finds and prunes the checkpoints of one run directory.
+
+    ``keep``: the newest complete checkpoints kept; ``keep_every``: also keep every checkpoint whose step is
+    a multiple of it (0 = none); the newest complete one is never deleted. ``on_event(kind, step, **info)``
+    hears about saves, failures and checkpoints skipped as damaged."""
+
+    def __init__(self, run_dir: str | Path, keep: int = 2, keep_every: int = 0, async_save: bool = False,
+                 on_event: Callable[..., None] | None = None):
         self.dir = Path(run_dir) / "checkpoints"
-        self.keep = keep
+        self.keep, self.keep_every, self.async_save = keep, keep_every, async_save
+        self.on_event = on_event or (lambda kind, step, **info: None)
+        self._pending: _Pending | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Async writes synchronise over a gloo group of their own, so that they never interleave with the
+        # training collectives of the default group (created collectively, by every rank, here).
+        self._pg = dist.new_group(backend="gloo") if async_save and _distributed() else None
+        self.completed: list[SaveResult] = []
 
     # --- finding ---------------------------------------------------------------------------------
-    def complete_steps(self) -> list[Path]:
+    def _step_dirs(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
-        found = [p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and (p / "trainer.json").is_file()]
-        return sorted(found, key=lambda p: p.name)
+        return sorted((p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=lambda p: p.name)
 
-    def latest(self) -> Path | None:
-        pointer = self.dir / "latest"
-        if pointer.is_file():
-            target = self.dir / pointer.read_text().strip()
-            if (target / "trainer.json").is_file():
-                return target
-        steps = self.complete_steps()
-        return steps[-1] if steps else None
+    def complete_steps(self) -> list[Path]:
+        """Step directories with a completion marker (not checksummed: see ``latest``)."""
+        return [p for p in self._step_dirs() if (p / MARKER).is_file()]
+
+    def latest(self, checksums: bool = True) -> Path | None:
+        """The newest checkpoint that is complete and verifies. One that fails is reported, renamed
+        ``step_N.bad`` by rank 0 (kept for inspection, never deleted) and skipped."""
+        for p in reversed(self._step_dirs()):
+            problem = verify(p, checksums)
+            if problem is None:
+                return p
+            log.warning("checkpoint %s skipped: %s", p, problem)
+            self.on_event("checkpoint_skipped", int(STEP_DIR.match(p.name).group(1)), path=str(p), reason=problem)
+            if _is_rank0() and (p / MARKER).is_file():   # a damaged complete one: out of the way of a new save
+                bad = p.with_name(f"{p.name}.bad")
+                shutil.rmtree(bad, ignore_errors=True)
+                try:
+                    os.replace(p, bad)
+                except OSError:
+                    pass
+        return None
 
     # --- saving ----------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, ema: Any,
-             extra: dict[str, Any]) -> Path:
+             extra: dict[str, Any], blocking: bool | None = None) -> SaveResult:
+        """Checkpoint the state at ``step``. Returns once the state is staged (async) or written (blocking);
+        an async save's outcome is known at the next ``save``/``wait``. Errors of a blocking save raise."""
+        blocking = (not self.async_save) if blocking is None else blocking
+        self.wait()                              # one save in flight at a time
+        t0 = time.perf_counter()
+        started = time.time()
         final = self.dir / f"step_{step:08d}"
         partial = self.dir / f"step_{step:08d}.partial"
         error = None
         if _is_rank0():
             try:
+                self._clean_partials(keep=partial)
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir(parents=True)
             except OSError as e:
@@ -115,22 +242,133 @@ class Checkpointer:
         if not _all_ok(error is None):   # the directory exists before any rank writes into it
             raise UserError(error or f"{partial}: rank 0 could not create the checkpoint directory")
         tensors, info = self._gather(model, optimizer, ema)
-        writer = HuggingFaceStorageWriter(str(partial), save_distributed=_distributed())
-        _quiet(dcp.save, tensors, storage_writer=writer)
-        _barrier()                       # every rank's shards are written before rank 0 seals the checkpoint
+        doc = {"format": FORMAT, "step": step, "optimizer": info, **extra}
+        writer = faults.storage_writer(HuggingFaceStorageWriter, str(partial), step, save_distributed=_distributed())
+        result = SaveResult(step, final, 0.0, started)
+        if blocking:
+            try:
+                _quiet(dcp.save, tensors, storage_writer=writer)
+                ok = True
+            except (Exception, CheckpointException) as e:
+                ok, result.error = False, _describe(e)
+            if not _all_ok(ok):                  # every rank's shards are written before rank 0 seals it
+                self._abandon(partial, result)
+                raise UserError(f"checkpoint at step {step} failed, the previous one is intact: "
+                                f"{result.error or 'a write failed on another rank'}")
+            self._finish(partial, final, doc, result, t0)
+            _barrier()                           # no rank moves on (or exits) before the rename is done
+            result.stall_s = time.perf_counter() - t0
+            self.completed.append(result)
+            return result
+        stager = self._stager()
+        future = _quiet(dcp.async_save, tensors, storage_writer=writer, process_group=self._pg,
+                        async_stager=stager, no_dist=not _distributed())
+        if hasattr(future, "upload_completion"):  # AsyncSaveResponse (async staging): wait for staging only
+            future.staging_completion.result()
+            future = future.upload_completion
+        result.stall_s = time.perf_counter() - t0
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="difftrain-ckpt")
+        self._pending = _Pending(step, self._pool.submit(self._complete, future, partial, final, doc, result, t0,
+                                                         stager), result)
+        return result
+
+    def _stager(self):
+        """Staging buffers: pinned host memory for GPU state (reused between saves), plain copies on CPUs."""
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+        return BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available() and torch.cuda.is_initialized())
+
+    def _complete(self, future, partial: Path, final: Path, doc: dict, result: SaveResult, t0: float,
+                  stager) -> SaveResult:
+        """Background thread: wait for the shards (DCP's finish step gathers every rank's write results, so on
+        rank 0 this returns after all ranks wrote), then seal and rename on rank 0."""
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            result.error = _describe(e)
+            self._abandon(partial, result)
+            return result
+        try:
+            self._finish(partial, final, doc, result, t0)
+        except OSError as e:
+            result.error = f"{partial}: sealing the checkpoint failed ({e})"
+            self._abandon(partial, result)
+        return result
+
+    def _finish(self, partial: Path, final: Path, doc: dict, result: SaveResult, t0: float) -> None:
+        """Rank 0: trainer.json, checksums of every file (fsynced), the marker, the rename, ``latest``,
+        retention. Other ranks: nothing."""
+        if not _is_rank0():
+            result.write_s = time.perf_counter() - t0
+            return
+        (partial / "trainer.json").write_text(json.dumps(doc, indent=1, default=_json_default))
+        files = {}
+        for f in sorted(partial.iterdir()):
+            if f.is_file() and f.name != MARKER:
+                n, digest = file_digest(f, sync=True)
+                files[f.name] = {"bytes": n, "sha256": digest}
+        faults.before_marker(doc["step"])
+        tmp = partial / f"{MARKER}.tmp"
+        with tmp.open("w") as fh:
+            json.dump({"format": FORMAT, "step": doc["step"], "time": time.time(), "files": files}, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, partial / MARKER)
+        _fsync_dir(partial)
+        if final.exists():                       # a replay reached a step saved before: replace it whole
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        latest_tmp = self.dir / "latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, self.dir / "latest")
+        _fsync_dir(self.dir)
+        result.bytes = sum(v["bytes"] for v in files.values())
+        result.write_s = time.perf_counter() - t0
+        self._prune()
+        self.on_event("checkpoint", doc["step"], path=str(final), bytes=result.bytes,
+                      stall_s=round(result.stall_s, 4), write_s=round(result.write_s, 3))
+
+    def _abandon(self, partial: Path, result: SaveResult) -> None:
+        log.error("checkpoint at step %d failed (the previous checkpoint is intact): %s", result.step, result.error)
         if _is_rank0():
-            doc = {"format": FORMAT, "step": step, "optimizer": info, **extra}
-            (partial / "trainer.json").write_text(json.dumps(doc, indent=1, default=_json_default))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            tmp = self.dir / "latest.tmp"
-            tmp.write_text(final.name)
-            os.replace(tmp, self.dir / "latest")
-            for old in self.complete_steps()[: -self.keep]:
+            shutil.rmtree(partial, ignore_errors=True)
+            self.on_event("checkpoint_failed", result.step, reason=result.error)
+
+    def wait(self) -> SaveResult | None:
+        """Finish the save in flight (if any) and return its result; a failed async save is logged and
+        returned with ``error`` set, not raised: training goes on and the next save tries again."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        result = pending.future.result()
+        if result.error is None:
+            self.completed.append(result)
+        return result
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _clean_partials(self, keep: Path) -> None:
+        """Leftovers of saves killed mid-write (never a complete checkpoint)."""
+        if not self.dir.is_dir():
+            return
+        for p in self.dir.iterdir():
+            if PARTIAL_DIR.match(p.name) and p != keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _prune(self) -> None:
+        steps = self.complete_steps()
+        if not steps:
+            return
+        keep = set(steps[-self.keep:]) | {steps[-1]}
+        if self.keep_every:
+            keep |= {p for p in steps if int(STEP_DIR.match(p.name).group(1)) % self.keep_every == 0}
+        for old in steps:
+            if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()                       # no rank moves on (or exits) before the rename is done
-        return final
 
     def _gather(self, model: nn.Module, optimizer, ema) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if optimizer is not None:
@@ -146,14 +384,15 @@ class Checkpointer:
 
     # --- loading ---------------------------------------------------------------------------------
     @staticmethod
-    def read_info(path: str | Path) -> dict[str, Any]:
-        """trainer.json of a checkpoint directory; a clear error if ``path`` is not one of ours."""
+    def read_info(path: str | Path, checksums: bool = False) -> dict[str, Any]:
+        """trainer.json of a checkpoint directory; a clear error if ``path`` is not a complete one of ours.
+        A run directory or its ``latest`` pointer resolve to the newest checkpoint that verifies."""
         p = Path(path)
         if not p.exists():
             raise UserError(f"{p}: no such checkpoint")
         if p.is_file() and p.name == "latest":               # RUN/checkpoints/latest names the newest
-            p = p.parent / p.read_text().strip()
-        elif p.is_dir() and (p / "checkpoints").is_dir():    # a run directory: take its newest checkpoint
+            p = p.parent.parent
+        if p.is_dir() and (p / "checkpoints").is_dir():     # a run directory: take its newest checkpoint
             newest = Checkpointer(p).latest()
             if newest is None:
                 raise UserError(f"{p}: run directory has no complete checkpoint yet")
@@ -169,6 +408,9 @@ class Checkpointer:
         if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise UserError(f"{info_path}: not a difftrain checkpoint (format {info.get('format') if isinstance(info, dict) else None!r}, "
                             f"expected {FORMAT!r})")
+        problem = verify(p, checksums)
+        if problem is not None:
+            raise UserError(f"{p}: not a complete checkpoint: {problem}")
         info["path"] = str(p)
         return info
 
@@ -209,17 +451,21 @@ class Checkpointer:
         return {k[len(prefix) + 1:]: v for k, v in want.items()}
 
 
+def _describe(e: BaseException) -> str:
+    failures = getattr(e, "failures", None) or {}
+    cause = next(iter(failures.values()), e)
+    if isinstance(cause, tuple):                  # (exception, traceback summary) per rank
+        cause = cause[0]
+    text = str(cause).strip()
+    return (text.splitlines()[-1] if text else type(cause).__name__)[:300]
+
+
 def _load_or_explain(want: dict[str, Tensor], path: Path) -> None:
     """dcp.load, with a mismatch (missing key, other shape) reported as one line naming the tensor."""
     try:
         _quiet(dcp.load, want, storage_reader=HuggingFaceStorageReader(str(path)))
     except (Exception, CheckpointException) as e:   # CheckpointException is a BaseException
-        failures = getattr(e, "failures", None) or {}
-        cause = next(iter(failures.values()), e)
-        if isinstance(cause, tuple):                  # (exception, traceback summary) per rank
-            cause = cause[0]
-        detail = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
-        raise UserError(f"{path}: checkpoint does not match this model/config ({detail[:300]})") from None
+        raise UserError(f"{path}: checkpoint does not match this model/config ({_describe(e)})") from None
 
 
 def _json_default(o: Any) -> Any:
