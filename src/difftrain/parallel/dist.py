@@ -147,8 +147,9 @@ def init_distributed(cfg: Config) -> ParallelEnv:
         # Offloaded gradients are CPU tensors: their norm reduction (and the export's gathers) need gloo.
         backend = "cuda:nccl,cpu:gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=par.startup_timeout_minutes),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = datetime.timedelta(minutes=par.startup_timeout_minutes)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                store=generation_store(rank, world, timeout), rank=rank, world_size=world)
     mesh = init_device_mesh(device.type, tuple(sizes[k] for k in MESH_DIMS), mesh_dim_names=MESH_DIMS)
     env = ParallelEnv(world, rank, device, sizes, mesh)
     env.fsdp_mesh()                                   # create the flattened group now, so its timeout is set
@@ -156,6 +157,52 @@ def init_distributed(cfg: Config) -> ParallelEnv:
     if rank == 0:
         log.info("world %d (%s): %s", world, backend, " x ".join(f"{k} {sizes[k]}" for k in MESH_DIMS))
     return env
+
+
+def generation_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The launcher's key-value store, under a prefix that is new for every start of the job.
+
+    torchrun keeps one store for the whole job (its agents' rendezvous store, ``TORCHELASTIC_USE_AGENT_STORE``)
+    and its workers' process groups write their addresses under fixed keys. After a restart, a new worker can
+    read the address a dead worker of the previous attempt left there before its peer overwrites it: gloo's
+    ``connectFullMesh`` then fails with "Connection refused" (a race, so some restarts work). Restart counts
+    cannot name the attempt (each agent keeps its own, and they differ after a membership change), so the
+    ranks agree on a generation: rank 0 takes the next number from a counter, and every other rank learns it
+    by a handshake keyed by a fresh random nonce and the generation (hello -> ack -> confirm), which no key
+left by an earlier attempt can answer."""
+    import time
+    import uuid
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(host, port, world_size=world, is_master=(rank == 0 and not agent), timeout=timeout,
+                          multi_tenant=not agent, wait_for_workers=False)
+    base = f"difftrain/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}"
+    if rank == 0:
+        generation = store.add(f"{base}/generation", 1)
+        pending, acked = set(range(1, world)), {}
+        deadline = time.monotonic() + timeout.total_seconds()
+        while pending:
+            for r in sorted(pending):
+                if r in acked and store.check([f"{base}/confirm/{acked[r]}/{generation}"]):
+                    pending.discard(r)
+                    continue
+                if store.check([f"{base}/hello/{r}"]):
+                    nonce = store.get(f"{base}/hello/{r}").decode()
+                    if acked.get(r) != nonce:        # a stale hello is acked too, harmlessly: no one confirms it
+                        store.set(f"{base}/ack/{nonce}", str(generation))
+                        acked[r] = nonce
+            if pending:
+                if time.monotonic() > deadline:
+                    raise UserError(f"ranks {sorted(pending)[:16]} did not join within {timeout} (start-up "
+                                    "timeout, parallel.startup_timeout_minutes)")
+                time.sleep(0.02)
+    else:
+        nonce = uuid.uuid4().hex
+        store.set(f"{base}/hello/{rank}", nonce)
+        generation = int(store.get(f"{base}/ack/{nonce}").decode())   # waits (store timeout)
+        store.set(f"{base}/confirm/{nonce}/{generation}", "1")
+    return dist.PrefixStore(f"{base}/g{generation}", store)
 
 
 def set_collective_timeout(env: ParallelEnv, minutes: float) -> None:
