@@ -164,6 +164,16 @@ def test_init_from_an_export_through_the_trainer(tiny_cfg, tmp_path):
                 tmp_path / "c")
 
 
+def _reseal(ck):
+    """An edited trainer.json no longer matches the checkpoint's marker (which is the point of the marker):
+    record its new size and checksum, as a save would have."""
+    from difftrain.train.checkpoint import MARKER, file_digest
+    marker = json.loads((ck / MARKER).read_text())
+    n, digest = file_digest(ck / "trainer.json")
+    marker["files"]["trainer.json"] = {"bytes": n, "sha256": digest}
+    (ck / MARKER).write_text(json.dumps(marker))
+
+
 def test_sample_shift_is_read(tiny_cfg, tmp_path, capsys, monkeypatch):
     import difftrain.diffusion.pipeline as pipeline
     from difftrain.diffusion.flow import flux_mu
@@ -183,6 +193,7 @@ def test_sample_shift_is_read(tiny_cfg, tmp_path, capsys, monkeypatch):
     for shift in ("none", "fixed", "resolution"):
         info["config"]["sample"].update(shift=shift, shift_value=3.0)
         (ck / "trainer.json").write_text(json.dumps(info))
+        _reseal(ck)
         assert main(["sample", str(ck), "--prompt", "a red circle", "--num-images", "1", "--out",
                      str(tmp_path / shift)]) == 0
         capsys.readouterr()

@@ -171,7 +171,14 @@ class TrainConfig:
     log_every: int = meta("steps between metric lines", ge=1, default=10)
     sample_every: int = meta("steps between sample grids (0 = only at the end)", ge=0, default=0)
     checkpoint_every: int = meta("steps between checkpoints (0 = only at the end)", ge=0, default=100)
-    keep_checkpoints: int = meta("newest checkpoints kept on disk", ge=1, default=2)
+    keep_checkpoints: int = meta("newest complete checkpoints kept on disk (the newest is never deleted)", ge=1,
+                                 default=2)
+    keep_every: int = meta("also keep every checkpoint whose step is a multiple of this (0 = none)", ge=0, default=0)
+    async_checkpoint: bool = meta("write checkpoints in the background: the state is staged to host memory (pinned "
+                                  "on GPUs) before the next step, and written while training goes on; the final "
+                                  "checkpoint and a preemption's are always written before exiting", default=True)
+    metrics_port: int = meta("serve Prometheus metrics on this port (rank r on port + r; 0 = off)", ge=0, le=65535,
+                             default=0)
 
 
 @dataclass
@@ -221,6 +228,32 @@ class EvalConfig:
 
 
 @dataclass
+class HealthConfig:
+    rollback_after: int = meta("a step with a non-finite loss or gradient is skipped (no update) and counted; after "
+                               "this many in a row, roll back to the newest complete checkpoint and skip the "
+                               "offending batches on replay (0 = fail at the first non-finite step instead)", ge=0,
+                               default=3)
+    max_rollbacks: int = meta("rollbacks in one run before it fails", ge=0, default=3)
+    rollback_lr_factor: float = meta("multiply the LR by this after each rollback (1 = unchanged)", gt=0, le=1,
+                                     default=1.0)
+    spike_window: int = meta("losses in the window of the loss-spike detector", ge=5, default=200)
+    spike_z: float = meta("robust z-score (median/MAD over the window) above which a loss is logged as a spike "
+                          "with the batch's sample ids (0 = off)", ge=0, default=8.0)
+    hang_seconds: float = meta("a rank with no progress for this long dumps every thread's stack to RUN/hang/ and "
+                               "exits non-zero, so that the launcher restarts the job (0 = no watchdog)", ge=0,
+                               default=900.0)
+    hang_startup_seconds: float = meta("the watchdog's allowance before the first step (building, loading, "
+                                       "compiling)", gt=0, default=3600.0)
+    preempt_exit_code: int = meta("exit status of every rank after stopping for SIGTERM/SIGUSR1 (checkpoint written, "
+                                  "RUN/requeue.json left): 0 suits a launcher script that reads the marker (SLURM); "
+                                  "non-zero makes torchrun and Kubernetes restart the workers, where a pod that "
+                                  "exits 0 counts as done", ge=0, le=255, default=0)
+    straggler_every: int = meta("steps between gathers of the ranks' step times (0 = off)", ge=0, default=50)
+    straggler_factor: float = meta("a rank whose busy time exceeds this x the median is reported as a straggler",
+                                   gt=1, default=1.5)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -232,3 +265,4 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)

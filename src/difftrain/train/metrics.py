@@ -1,9 +1,13 @@
-"""Metrics to ``RUN/metrics.jsonl`` (one JSON object a line; scripts read it) and TensorBoard
-(``RUN/tb``). Only rank 0 writes."""
+"""Metrics to ``RUN/metrics.jsonl`` (one JSON object a line; scripts and ``difftrain report`` read it),
+TensorBoard (``RUN/tb``) and, with a port, a Prometheus endpoint (``prometheus_client``) for cluster
+monitoring; events (restarts, checkpoints, skipped steps, rollbacks, spikes, stragglers, preemptions,
+hangs) to ``RUN/events.jsonl``. Files are written by rank 0; every rank serves its own Prometheus port."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,26 +15,76 @@ import torch
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
-        self.enabled = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, port: int = 0):
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.enabled = self.rank == 0
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.events_path = Path(run_dir) / "events.jsonl"
         self._tb = None
+        self._gauges: dict[str, Any] | None = None
+        self._counters: dict[str, Any] = {}
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a")
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
                 self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        if port:
+            self._serve(port)
+
+    def _serve(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self._registry = CollectorRegistry()
+        self._gauges = {}
+        try:
+            start_http_server(port, registry=self._registry)
+        except OSError as e:
+            from difftrain.errors import UserError
+            raise UserError(f"train.metrics_port: cannot serve Prometheus metrics on port {port} ({e})") from None
+
+    def _gauge(self, name: str):
+        from prometheus_client import Gauge
+
+        key = "difftrain_" + "".join(c if c.isalnum() else "_" for c in name)
+        if key not in self._gauges:
+            self._gauges[key] = Gauge(key, f"difftrain metric {name}", ["rank"], registry=self._registry)
+        return self._gauges[key].labels(rank=str(self.rank))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
+        numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._gauges is not None:
+            self._gauge("step").set(step)
+            for k, v in numeric.items():
+                self._gauge(k).set(v)
         if not self.enabled:
             return
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
+            for k, v in numeric.items():
+                if k != "time":
                     self._tb.add_scalar(k, v, step)
+
+    def event(self, kind: str, step: int, force: bool = False, **info: Any) -> None:
+        """One line of ``events.jsonl`` (rank 0; ``force`` writes from any rank, e.g. a hang seen by rank 3)."""
+        if self._gauges is not None:
+            from prometheus_client import Counter
+
+            key = f"difftrain_events_{kind}"
+            if key not in self._counters:
+                self._counters[key] = Counter(key, f"difftrain {kind} events", ["rank"], registry=self._registry)
+            self._counters[key].labels(rank=str(self.rank)).inc()
+        if not (self.enabled or force):
+            return
+        self.events_path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"time": round(time.time(), 3), "step": step, "kind": kind, "rank": self.rank, **info},
+                          default=str) + "\n"
+        fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)   # one write per line
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         if self.enabled:
@@ -40,5 +94,19 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return _read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    return _read_jsonl(Path(run_dir) / "events.jsonl")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:      # a line cut short by a killed process
+                pass
+    return out

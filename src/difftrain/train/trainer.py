@@ -13,8 +13,11 @@ sample stream, on any world size that divides the global batch.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import os
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from difftrain.config import Config, to_dict, to_toml
+from difftrain.errors import UserError
 from difftrain.data import build_source, vocabulary_for, world_from_config
 from difftrain.data.batch import Batch
 from difftrain.diffusion.flow import FlowSpec, draw_t_and_noise, flow_loss, loss_weight, noisy_input, to_velocity
@@ -34,8 +38,11 @@ from difftrain.parallel.cp import cp_disabled, shard_sequence
 from difftrain.parallel.dist import ParallelEnv, all_reduce_sum, batch_split, init_distributed, set_collective_timeout
 from difftrain.parallel.flops import mfu, peak_flops, step_flops
 from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
+from difftrain.train import faults
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.ema import EMA
+from difftrain.train.health import JsonLogHandler, Preemption, SpikeDetector, Watchdog, run_id, stragglers, \
+    write_requeue_marker, REQUEUE_MARKER
 from difftrain.train.metrics import MetricsLogger
 from difftrain.train.schedule import lr_at
 
@@ -68,13 +75,75 @@ class StepStats:
     tokens: int = 0          # real (unpadded) tokens of the global batch
     samples: int = 0
     flops: float = 0.0       # DiT training FLOPs of the global batch
+    skipped: bool = False    # non-finite loss or gradient: no update
+    stop: bool = False       # some rank was asked to stop (preemption): every rank stops after this step
+    fwd_bwd_s: float = 0.0
+    optim_s: float = 0.0
+    wait_s: float = 0.0      # time in the step's explicit collectives (a straggler waits least)
+
+
+# Config keys a resumed run may change without --allow-config-change: how the job runs, not what it computes.
+ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes", "train.log_every",
+                     "train.sample_every", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_every",
+                     "train.async_checkpoint", "train.metrics_port", "train.threads", "train.compile",
+                     "train.compile_cache", "train.micro_batch", "data.read_threads", "data.prefetch",
+                     "data.cache_dir", "data.cache_gb", "data.max_error_rate", "sample.", "eval.", "health.")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "sources":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, now: dict, allowed: tuple[str, ...] = ()) -> list[str]:
+    """Keys whose value differs between a checkpoint's config and this run's, other than those that may
+    change; each as 'key: saved -> now'."""
+    a, b = _flat(saved), _flat(now)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key) or key.startswith(ALWAYS_CHANGEABLE) or key in ALWAYS_CHANGEABLE:
+            continue
+        if any(key == x or key.startswith(x.rstrip(".") + ".") for x in allowed):
+            continue
+        out.append(f"{key}: {a.get(key, '(absent)')!r} -> {b.get(key, '(absent)')!r}")
+    return out
+
+
+def _broadcast_int(value: int, device: torch.device) -> int:
+    """Rank 0's value on every rank."""
+    if not torch.distributed.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.broadcast(t, 0)
+    return int(t.item())
+
+
+def _mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # peak RSS (kB on Linux)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | Path | None = None, env: ParallelEnv | None = None):
+    """``resume``: continue from the newest complete checkpoint of the run directory (False: refuse a run
+    directory that has one). ``allow_config_change``: config keys that may differ from the checkpoint's."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, env: ParallelEnv | None = None,
+                 resume: bool = True, allow_config_change: tuple[str, ...] = ()):
         self.cfg, tc = cfg, cfg.train
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.env = env or init_distributed(cfg)
+        faults.configure(self.run_dir, self.env.rank)
+        self.run_id = run_id()
+        self.log_handler = JsonLogHandler(self.run_dir / "logs" / f"rank_{self.env.rank}.jsonl", self.run_id,
+                                          self.env.rank)
+        logging.getLogger("difftrain").addHandler(self.log_handler)
+        self.metrics = MetricsLogger(self.run_dir, port=(tc.metrics_port + self.env.rank) if tc.metrics_port else 0)
         self.device = self.env.device
         self.amp = amp_dtype(tc.precision, self.device)
         if tc.threads:
@@ -83,9 +152,20 @@ class Trainer:
             self.micro_batch, self.accum = 0, 1
         else:
             self.micro_batch, self.accum = batch_split(tc.global_batch, tc.micro_batch, self.env.dp_size)
-        self.checkpointer = Checkpointer(self.run_dir, tc.keep_checkpoints)
-        resume = self.checkpointer.latest()
-        info = Checkpointer.read_info(resume) if resume else None
+        self.checkpointer = Checkpointer(self.run_dir, tc.keep_checkpoints, tc.keep_every, tc.async_checkpoint,
+                                         on_event=self.metrics.event)
+        found = self._find_checkpoint()
+        if found is not None and not resume:
+            raise UserError(f"{self.run_dir}: holds a checkpoint ({found.name}) and resuming was refused "
+                            "(--no-resume): use another run directory or drop --no-resume")
+        info = Checkpointer.read_info(found) if found else None
+        if info is not None:
+            changed = config_changes(info.get("config", {}), to_dict(cfg), tuple(allow_config_change))
+            if changed:
+                raise UserError(f"{self.run_dir}: this run directory was trained with another config "
+                                f"(checkpoint -> now): {'; '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. "
+                                "Pass --allow-config-change " + " ".join(c.split(":")[0] for c in changed[:8]) +
+                                " to continue with the change, or use another run directory")
         torch.manual_seed(cfg.run.seed)
 
         ae_cfg = cfg.autoencoder
@@ -95,7 +175,7 @@ class Trainer:
         if vocab is None and cfg.text.kind == "words":
             vocab = vocabulary_for(cfg)
         self.text_encoder = build_text_encoder(cfg, vocab, self.device)
-        self.model = self._build_model(resume is None)
+        self.model = self._build_model(found is None)
         self.dit = self.model["dit"]
         self.flow = FlowSpec.from_config(cfg.diffusion)
         # Groups by weight decay, and sharded (DTensor) apart from replicated parameters: a foreach step
@@ -111,19 +191,33 @@ class Trainer:
 
         self.loader = build_source(cfg, self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
                                    self.device, self.micro_batch)
-        self.metrics = MetricsLogger(self.run_dir)
         self.step = 0
+        self.samples_seen = 0
+        self.restarts = self.rollbacks = self.skipped_steps = self.replay_skipped = 0
+        self.consecutive_bad = 0
+        self.lr_scale = 1.0
+        self.skip_steps: set[int] = set(self._read_skip_file())
+        hc = cfg.health
+        self.spikes = SpikeDetector(hc.spike_window, hc.spike_z) if hc.spike_z > 0 else None
+        self.preemption = Preemption()
+        self.watchdog: Watchdog | None = None
+        self.last_save = None
+        self.straggler_info: dict = {}
         self.total_steps = tc.steps
         self.budget_fixed = tc.minutes == 0
         self.train_seconds = 0.0
         self.peak, self.peak_source = self._peak()
         self.compiled_graphs = compile_count()
         self.timeout_tightened = False
-        if resume is not None:
-            self._resume(resume)
+        if found is not None:
+            self._resume(found)
+            self.restarts += 1
+            self.metrics.event("resume", self.step, path=str(found), restarts=self.restarts,
+                               restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            (self.run_dir / REQUEUE_MARKER).unlink(missing_ok=True)   # this (re)start answers a requeue
 
     # --- construction -----------------------------------------------------------------------------
     def _build_model(self, fresh: bool) -> nn.ModuleDict:
@@ -159,23 +253,70 @@ class Trainer:
             return None, str(e)
 
     # --- state ------------------------------------------------------------------------------------
+    def _find_checkpoint(self) -> Path | None:
+        """The newest complete, verified checkpoint, chosen by rank 0 (which also sets damaged ones aside)
+        and broadcast, so that every rank resumes from the same one."""
+        step = -1
+        if self.env.is_main:
+            newest = self.checkpointer.latest()
+            step = int(newest.name.split("_")[1]) if newest is not None else -1
+        step = _broadcast_int(step, self.device)
+        return None if step < 0 else self.checkpointer.dir / f"step_{step:08d}"
+
+    def _skip_file(self) -> Path:
+        return self.run_dir / "skip_steps.json"
+
+    def _read_skip_file(self) -> list[int]:
+        try:
+            return [int(x) for x in json.loads(self._skip_file().read_text())]
+        except (OSError, ValueError, TypeError):
+            return []
+
+    def _record_skip(self, step: int) -> None:
+        """Steps (numbered from 1, as in the metrics) whose batch is never trained on, kept in the run directory
+        (not only in checkpoints), so that a replay from an older checkpoint skips them too."""
+        self.skip_steps.add(step)
+        if self.env.is_main:
+            tmp = self._skip_file().with_suffix(".tmp")
+            tmp.write_text(json.dumps(sorted(self.skip_steps)))
+            os.replace(tmp, self._skip_file())
+
     def _resume(self, path: Path) -> None:
         info = Checkpointer.load(path, self.model, self.optimizer, self.ema)
         self.step = int(info["step"])
         self.loader.load_state_dict(info["loader"])
         self.total_steps = int(info["total_steps"])
+        saved = info.get("config", {}).get("train", {})
+        if saved.get("steps", self.cfg.train.steps) != self.cfg.train.steps or \
+                saved.get("minutes", self.cfg.train.minutes) != self.cfg.train.minutes:
+            # the run was extended (or shortened): the new length holds, and a time budget is re-measured
+            self.total_steps = self.cfg.train.steps
+            info["budget_fixed"] = self.cfg.train.minutes == 0
         self.budget_fixed = bool(info.get("budget_fixed", True))
         self.train_seconds = float(info.get("train_seconds", 0.0))
+        self.samples_seen = int(info.get("samples_seen", 0))
+        self.restarts = int(info.get("restarts", 0))
+        self.rollbacks = int(info.get("rollbacks", 0))
+        self.skipped_steps = int(info.get("skipped_steps", 0))
+        self.lr_scale = float(info.get("lr_scale", 1.0))
+        self.skip_steps |= {int(x) for x in info.get("skip_steps", [])}
         log.info("resumed from %s at step %d", path, self.step)
 
-    def save(self) -> Path:
+    def save(self, blocking: bool | None = None):
+        """Checkpoint the whole training state (async unless ``blocking``); returns the save's result."""
         extra = {"loader": self.loader.state_dict(), "total_steps": self.total_steps,
                  "budget_fixed": self.budget_fixed, "train_seconds": self.train_seconds,
+                 "samples_seen": self.samples_seen, "restarts": self.restarts, "rollbacks": self.rollbacks,
+                 "skipped_steps": self.skipped_steps, "lr_scale": self.lr_scale,
+                 "skip_steps": sorted(self.skip_steps),
                  "ema_updates": self.ema.updates if self.ema else 0, "config": to_dict(self.cfg),
                  "world_size": self.env.world,
                  "text_encoder": getattr(self.text_encoder, "extra_state", lambda: {"kind": "hf"})(),
                  "num_params": {"dit": num_params(self.dit), "total": num_params(self.model)}}
-        return self.checkpointer.save(self.step, self.model, self.optimizer, self.ema, extra)
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step, "checkpoint")
+        self.last_save = self.checkpointer.save(self.step, self.model, self.optimizer, self.ema, extra, blocking)
+        return self.last_save
 
     # --- one optimizer step -----------------------------------------------------------------------
     def _forward_loss(self, batch: Batch, normalizer: float) -> tuple[torch.Tensor, int, float]:
@@ -214,21 +355,28 @@ class Trainer:
         return loss, B * L + int(sum(txt_real)), float(flops)
 
     def train_step(self, batches: list[Batch]) -> StepStats:
+        """One optimizer step on this rank's micro-batches. A non-finite loss or gradient norm (the same
+        verdict on every rank: both are reduced over ranks) skips the update: no optimizer or EMA step."""
         tc = self.cfg.train
-        lr = lr_at(self.step, tc.lr, self.total_steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio)
+        lr = lr_at(self.step, tc.lr, self.total_steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio) * self.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
+        t0 = time.perf_counter()
         # The loss is a sum over target tokens divided by the step's global count (over ranks and
         # micro-batches; context-parallel peers hold the same samples, hence / cp).
         local_targets = float(sum(int(b.loss_mask_BL.sum()) for b in batches))
         n_targets, n_samples = all_reduce_sum([local_targets, float(sum(len(b) for b in batches))], self.device)
+        wait = time.perf_counter() - t0
         n_targets = max(1.0, n_targets / self.env.cp)
         total = torch.zeros((), device=self.device)
         tokens = flops = 0.0
+        poison = faults.nan_at(self.step + 1)
         for i, batch in enumerate(batches):
             set_gradient_sync(self.fsdp_units, i == len(batches) - 1, self.cfg.parallel.grad_sync)
             loss, n_tok, n_flops = self._forward_loss(batch, n_targets)
+            if poison:
+                loss = loss * float("nan")
             loss.backward()
             total += loss.detach()
             tokens, flops = tokens + n_tok, flops + n_flops
@@ -236,16 +384,20 @@ class Trainer:
         # The optimizer's parameters are the sharded ones; a unit left gathered would name other tensors.
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         gnorm = clip_grad_norm(params, tc.grad_clip or float("inf"))
-        loss_sum, tokens, flops = all_reduce_sum([float(total), tokens, flops], self.device)
-        if not math.isfinite(loss_sum) or not math.isfinite(gnorm):
-            raise FloatingPointError(f"step {self.step}: loss {loss_sum} / grad norm {gnorm} is not finite "
-                                     "(lower train.lr or raise train.warmup_steps)")
-        self.optimizer.step()
+        t1 = time.perf_counter()
+        stop_flag = 1.0 if self.preemption.requested else 0.0
+        loss_sum, tokens, flops, stop = all_reduce_sum([float(total), tokens, flops, stop_flag], self.device)
+        t2 = time.perf_counter()
+        wait += t2 - t1
+        skipped = not math.isfinite(loss_sum) or not math.isfinite(gnorm)
+        if not skipped:
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self.ema.update()
         cp = self.env.cp
-        return StepStats(loss_sum, gnorm, lr, int(tokens / cp), int(n_samples / cp), flops / cp)
+        return StepStats(loss_sum, gnorm, lr, int(tokens / cp), int(n_samples / cp), flops / cp, skipped, stop > 0,
+                         fwd_bwd_s=t1 - t0 - (wait - (t2 - t1)), optim_s=time.perf_counter() - t2, wait_s=wait)
 
     # --- the loop ---------------------------------------------------------------------------------
     def pipeline(self) -> Pipeline:
@@ -267,12 +419,19 @@ class Trainer:
     def _log(self, stats: StepStats, batch: Batch, data_s: float, step_s: float) -> None:
         total_s = data_s + step_s
         graphs = compile_count()
-        values = {"loss": stats.loss, "grad_norm": round(stats.grad_norm, 4), "lr": stats.lr,
+        values = {"time": round(time.time(), 3), "loss": stats.loss, f"loss_{batch.task}": stats.loss,
+                  "grad_norm": round(stats.grad_norm, 4), "lr": stats.lr,
                   "task": batch.task, "seq": [batch.x0_BLC.shape[1], batch.text.txt_BTD.shape[1] if batch.text is not None
                           else max((v.shape[1] for v in batch.tokens.values()), default=0)],
-                  "data_s": round(data_s, 4), "step_s": round(step_s, 4),
+                  "data_s": round(data_s, 4), "step_s": round(step_s, 4), "fwd_bwd_s": round(stats.fwd_bwd_s, 4),
+                  "optim_s": round(stats.optim_s, 4),
                   "samples_per_s": round(stats.samples / total_s, 2), "tokens_per_s": round(stats.tokens / total_s, 1),
-                  "train_seconds": round(self.train_seconds, 2)}
+                  "train_seconds": round(self.train_seconds, 2), "samples_seen": self.samples_seen,
+                  "mem_gb": round(_mem_gb(self.device), 3), "skipped_steps": self.skipped_steps,
+                  "restarts": self.restarts, "rollbacks": self.rollbacks}
+        values.update(self.straggler_info)
+        if self.last_save is not None and self.last_save.step == self.step:
+            values["checkpoint_stall_s"] = round(self.last_save.stall_s, 4)
         errors = getattr(self.loader, "errors", None)
         if errors is not None:       # per-sample data faults skipped so far (damaged store rows)
             values["data_errors"] = errors
@@ -284,24 +443,126 @@ class Trainer:
             self.compiled_graphs = graphs
         self.metrics.log(self.step, values)
 
+    def _on_bad_step(self, stats: StepStats, step: int) -> bool:
+        """A skipped (non-finite) step: count it, remember its batch; after ``health.rollback_after`` in a row,
+        roll back. Returns True if the state was rolled back (the loop then continues from there)."""
+        hc = self.cfg.health
+        self.skipped_steps += 1
+        self.consecutive_bad += 1
+        self._record_skip(step)
+        log.warning("step %d skipped: loss %s, grad norm %s (%d in a row, %d in all)", step, stats.loss,
+                    stats.grad_norm, self.consecutive_bad, self.skipped_steps)
+        self.metrics.event("skip", step, loss=str(stats.loss), grad_norm=str(stats.grad_norm),
+                           consecutive=self.consecutive_bad)
+        if hc.rollback_after == 0:
+            raise FloatingPointError(f"step {step}: loss {stats.loss} / grad norm {stats.grad_norm} is not finite "
+                                     "(health.rollback_after = 0; lower train.lr or raise train.warmup_steps)")
+        if self.consecutive_bad < hc.rollback_after:
+            return False
+        if self.rollbacks >= hc.max_rollbacks:
+            raise FloatingPointError(f"step {step}: {self.consecutive_bad} non-finite steps in a row after "
+                                     f"{self.rollbacks} rollbacks (health.max_rollbacks): lower train.lr")
+        self.checkpointer.wait()
+        target = self._find_checkpoint()
+        if target is None:
+            raise FloatingPointError(f"step {step}: {self.consecutive_bad} non-finite steps in a row and no "
+                                     "checkpoint to roll back to: lower train.lr or raise train.warmup_steps")
+        skips, rollbacks, skipped = set(self.skip_steps), self.rollbacks + 1, self.skipped_steps
+        self._resume(target)
+        self.skip_steps |= skips
+        self.rollbacks, self.skipped_steps = rollbacks, skipped
+        self.lr_scale *= hc.rollback_lr_factor
+        self.consecutive_bad = 0
+        log.warning("rolled back to %s (step %d); batches of steps %s will be skipped; LR x %.3g",
+                    target.name, self.step, sorted(x for x in self.skip_steps if x >= self.step), self.lr_scale)
+        self.metrics.event("rollback", self.step, path=str(target), skip_steps=sorted(self.skip_steps),
+                           lr_scale=self.lr_scale)
+        return True
+
+    def _spike(self, stats: StepStats, batches: list[Batch], step: int) -> None:
+        """Every rank runs the same detector on the same (reduced) loss, so all agree; the batch's sample ids
+        are gathered from every rank."""
+        if self.spikes is None or stats.skipped:
+            return
+        z = self.spikes.update(stats.loss)
+        if z is None:
+            return
+        ids = torch.cat([torch.as_tensor(b.sample_ids, dtype=torch.int64).flatten() for b in batches]).to(self.device)
+        if torch.distributed.is_initialized():
+            n = torch.tensor([ids.numel()], device=self.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+            padded = torch.full((int(n),), -1, dtype=torch.int64, device=self.device)
+            padded[: ids.numel()] = ids
+            out = [torch.empty_like(padded) for _ in range(self.env.world)]
+            torch.distributed.all_gather(out, padded)
+            ids = torch.cat(out)
+        sample_ids = sorted({int(x) for x in ids.tolist() if x >= 0})
+        log.warning("step %d: loss spike %.4g (robust z %.1f), task %s, sample ids %s", step, stats.loss, z,
+                    batches[0].task, sample_ids[:64])
+        self.metrics.event("spike", step, loss=stats.loss, z=round(z, 2), task=batches[0].task, sample_ids=sample_ids)
+
+    def _check_stragglers(self, busy: float) -> None:
+        """Every rank's busy time over the window (step time less the time spent waiting in the step's
+        collectives: the slowest rank waits least), gathered; ranks above factor x the median are reported."""
+        hc = self.cfg.health
+        t = torch.zeros(self.env.world, dtype=torch.float64, device=self.device)
+        t[self.env.rank] = busy
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(t)
+        times = t.tolist()
+        slow = stragglers(times, hc.straggler_factor)
+        if slow:
+            log.warning("step %d: straggler rank(s) %s: busy %s s vs median %.3f s over the last %d steps", self.step,
+                        slow, [round(times[r], 3) for r in slow], sorted(times)[len(times) // 2], hc.straggler_every)
+            self.metrics.event("straggler", self.step, ranks=slow, busy_s=[round(x, 4) for x in times])
+        self.straggler_info = {"stragglers": len(slow),
+                               "busy_max_over_median": round(max(times) / max(1e-9, sorted(times)[len(times) // 2]), 3)}
+
     def fit(self, on_step=None) -> dict:
-        tc, par = self.cfg.train, self.cfg.parallel
+        tc, par, hc = self.cfg.train, self.cfg.parallel, self.cfg.health
         params = num_params(self.model)
         tokens_seen = 0
         t_start = time.perf_counter()
         calib_from, calib_at = None, None
+        busy = 0.0
+        preempted = None
+        self.preemption.install()
+        self.watchdog = Watchdog(self.run_dir, self.env.rank, hc.hang_seconds, hc.hang_startup_seconds,
+                                 on_fire=lambda idle: self.metrics.event("hang", self.step, rank=self.env.rank,
+                                                                         idle_s=round(idle, 1), force=True)).start()
+        self.metrics.event("start", self.step, world=self.env.world, restarts=self.restarts, run_id=self.run_id)
         while self.step < self.total_steps:
+            self.watchdog.beat(self.step)
+            self.log_handler.step = self.step
+            faults.at_step(self.step + 1, wait=self.checkpointer.wait)
             t0 = time.perf_counter()
             batches = next(self.loader)
             t1 = time.perf_counter()
+            if os.environ.get("DIFFTRAIN_SAMPLE_LOG"):
+                faults.record_samples(self.step + 1, [int(i) for b in batches for i in torch.as_tensor(b.sample_ids).flatten()])
+            if self.step + 1 in self.skip_steps:      # a batch that broke training before: not trained on again
+                self.replay_skipped += 1
+                log.info("step %d: batch skipped on replay (it gave a non-finite step before)", self.step + 1)
+                self.step += 1
+                continue
+            step_number = self.step + 1                # as metrics and events count steps: 1, 2, ...
             stats = self.train_step(batches)
             t2 = time.perf_counter()
-            self.step += 1
+            if stats.skipped:
+                self.step += 1
+                if self._on_bad_step(stats, step_number):
+                    continue
+            else:
+                self.consecutive_bad = 0
+                self.step += 1
+                self.samples_seen += stats.samples
             if self.step >= par.startup_steps and not self.timeout_tightened:
                 set_collective_timeout(self.env, par.timeout_minutes)
                 self.timeout_tightened = True
             self.train_seconds += t2 - t0
             tokens_seen += stats.tokens
+            busy += (t2 - t0) - stats.wait_s
+            self._spike(stats, batches, step_number)
             if not self.budget_fixed:
                 # Measure speed over enough steps to average the task mixture (keyframe batches cost
                 # several times a t2i batch), skipping the first steps (allocator warm-up, compilation).
@@ -309,26 +570,55 @@ class Trainer:
                     calib_from, calib_at = self.step, self.train_seconds
                 elif calib_from is not None and (self.step - calib_from) % 60 == 0:
                     self._fix_budget(self.step - calib_from, self.train_seconds - calib_at)
-            if self.step % tc.log_every == 0 or self.step == self.total_steps:
-                self._log(stats, batches[0], t1 - t0, t2 - t1)
+            if hc.straggler_every and self.step % hc.straggler_every == 0:
+                self._check_stragglers(busy)
+                busy = 0.0
             if on_step is not None:
                 on_step(self.step, self.total_steps, stats)
             if tc.sample_every and self.step % tc.sample_every == 0:
+                self.watchdog.beat(self.step, "sampling")
                 self.sample_grid(self.run_dir / "samples" / f"step_{self.step:08d}.png")
+            if stats.stop:                            # every rank saw the same flag in the same collective
+                preempted = self.preemption.requested or "a signal on another rank"
+                break
             if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < self.total_steps:
                 self.save()
-        if self.step > 0:
-            self.save()
+            saved_now = self.last_save is not None and self.last_save.step == self.step
+            if self.step % tc.log_every == 0 or self.step == self.total_steps or saved_now:
+                self._log(stats, batches[0], t1 - t0, t2 - t1)
+        if preempted is not None:
+            self.save(blocking=True)
+            self._log(stats, batches[0], t1 - t0, t2 - t1)
+            if self.env.is_main:
+                write_requeue_marker(self.run_dir, self.step, preempted)
+            self.metrics.event("preempt", self.step, signal=preempted)
+            log.warning("preempted (%s): checkpoint at step %d written; %s left for the launcher to requeue",
+                        preempted, self.step, REQUEUE_MARKER)
+        elif self.step > 0:
+            self.save(blocking=True)
+            self.watchdog.beat(self.step, "export")
             self.export()
+        self.checkpointer.wait()
+        self.watchdog.stop()
         return {"steps": self.step, "train_seconds": round(self.train_seconds, 2), "num_params": params,
                 "wall_seconds": round(time.perf_counter() - t_start, 2), "tokens": tokens_seen,
-                "world_size": self.env.world}
+                "world_size": self.env.world, "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks,
+                "restarts": self.restarts, "preempted": preempted is not None}
 
     def close(self) -> None:
-        """Stop the data source's readers; flush and close the metrics files (TensorBoard's writer included)."""
-        if hasattr(self.loader, "close"):
-            self.loader.close()
-        self.metrics.close()
+        """Finish a checkpoint in flight; stop the data source's readers, the watchdog and the signal handlers;
+        flush and close the metrics files (TensorBoard's writer included) and the per-rank log."""
+        try:
+            self.checkpointer.close()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            self.preemption.uninstall()
+            if hasattr(self.loader, "close"):
+                self.loader.close()
+            self.metrics.close()
+            logging.getLogger("difftrain").removeHandler(self.log_handler)
+            self.log_handler.close()
 
     # --- outputs ----------------------------------------------------------------------------------
     def export(self) -> Path:
