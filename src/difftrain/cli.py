@@ -47,11 +47,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
 
     p = sub.add_parser("train", help="train from a config; rerun on the same run directory to resume",
-                       description="Train a model. Resumes from the newest checkpoint in the run directory.")
+                       description="Train a model. Resumes from the newest complete, verified checkpoint in the "
+                                   "run directory.")
     p.add_argument("config", help="config path or preset name")
     p.add_argument("--run-dir", default=None, help="run directory (default: run.out_dir/run.name)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="refuse to start if the run directory already holds a checkpoint")
+    p.add_argument("--allow-config-change", nargs="+", default=[], metavar="KEY",
+                   help="config keys (or sections) that may differ from the checkpoint's when resuming")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (rank r: port + r); sets train.metrics_port")
     _add_set(p)
+
+    p = sub.add_parser("export", help="consolidated safetensors weights (EMA or raw) and config from a checkpoint",
+                       description="Write a checkpoint's weights as one safetensors file with its config, from "
+                                   "any number of shards; or a diffusers FluxTransformer2DModel folder.")
+    p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
+    p.add_argument("out", help="output directory (must not exist or be empty)")
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="EMA (default) or raw weights")
+    p.add_argument("--layout", choices=("difftrain", "diffusers"), default="difftrain",
+                   help="difftrain: model.safetensors + config.toml; diffusers: transformer/ in diffusers' layout")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the written tensors")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+
+    p = sub.add_parser("report", help="an HTML page and a PNG of a run's loss, throughput, MFU, data wait, "
+                                      "checkpoint stalls, restarts and skipped steps, with its latest samples")
+    p.add_argument("run_dir", help="run directory")
+    p.add_argument("--out", default=None, help="output directory (default RUN/report)")
 
     p = sub.add_parser("sample", help="generate images from a checkpoint",
                        description="Generate PNGs from a checkpoint for one prompt.")
@@ -165,17 +188,23 @@ def cmd_train(args) -> int:
     from difftrain.progress import run_training
     from difftrain.train.trainer import Trainer
 
-    cfg = load_config(resolve_config(args.config), args.overrides)
+    overrides = list(args.overrides)
+    if args.metrics_port is not None:
+        overrides.append(f"train.metrics_port={args.metrics_port}")
+    cfg = load_config(resolve_config(args.config), overrides)
     clean, trainer, env = False, None, None
     try:
         env = init_distributed(cfg)
-        if not env.is_main:                         # one voice in the logs: rank 0's
-            logging.getLogger("difftrain").setLevel(logging.WARNING)
-        trainer = Trainer(cfg, args.run_dir, env=env)
+        if not env.is_main:       # one voice on the console: rank 0's (every rank keeps its own JSON log)
+            for h in logging.getLogger().handlers:
+                h.setLevel(logging.WARNING)
+        trainer = Trainer(cfg, args.run_dir, env=env, resume=not args.no_resume,
+                          allow_config_change=tuple(args.allow_config_change))
         if env.is_main:
-            print(json.dumps(run_training(cfg, args.run_dir, progress=not args.no_progress, trainer=trainer)))
+            summary = run_training(cfg, args.run_dir, progress=not args.no_progress, trainer=trainer)
+            print(json.dumps(summary))
         else:
-            trainer.fit()
+            summary = trainer.fit()
         clean = True
     finally:
         if trainer is not None:
@@ -186,6 +215,21 @@ def cmd_train(args) -> int:
         # process (SIGABRT, "terminate called without an active exception") after a successful run.
         del trainer, env
         gc.collect()
+    return cfg.health.preempt_exit_code if summary.get("preempted") else 0
+
+
+def cmd_export(args) -> int:
+    from difftrain.export import export_checkpoint
+
+    print(json.dumps(export_checkpoint(args.checkpoint, args.out, weights=args.weights, layout=args.layout,
+                                       dtype=args.dtype, overwrite=args.overwrite)))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from difftrain.report import write_report
+
+    print(json.dumps(write_report(args.run_dir, args.out)))
     return 0
 
 
@@ -295,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _short_warnings
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo,
-             "prepare": cmd_prepare, "shapes": cmd_shapes}
+             "prepare": cmd_prepare, "shapes": cmd_shapes, "export": cmd_export, "report": cmd_report}
     try:
         return verbs[args.verb](args)
     except UserError as e:
