@@ -180,11 +180,15 @@ def run_sbatch(script: Path, tmp_path: Path, env: dict[str, str] | None = None,
     capture, capture_env = tmp_path / "srun.argv", tmp_path / "srun.env"
     stubs = f"""
 scontrol() {{
+    if [[ $# -eq 2 && $1 == requeue ]]; then echo "$2" > {shlex.quote(str(tmp_path / "requeued"))}; return 0; fi
     [[ $# -eq 3 && $1 == show && $2 == hostnames && $3 == "$SLURM_JOB_NODELIST" ]] || {{
         echo "scontrol stub: unexpected arguments: $*" >&2; return 1; }}
     for i in $(seq 1 "$SLURM_NNODES"); do printf 'gpu%03d\\n' "$i"; done
 }}
-srun() {{ printf '%s\\0' srun "$@" > {shlex.quote(str(capture))}; env -0 > {shlex.quote(str(capture_env))}; }}
+srun() {{
+    printf '%s\\0' srun "$@" > {shlex.quote(str(capture))}; env -0 > {shlex.quote(str(capture_env))}
+    if [[ -n ${{STUB_PREEMPTED_MARKER:-}} ]]; then echo '{{"step": 7}}' > "$STUB_PREEMPTED_MARKER"; fi
+}}
 source "$0" "$@"
 """
     base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C"}
@@ -252,6 +256,15 @@ def test_sbatch_launch_env_and_extra_args(tmp_path):
     assert node_group(got) == 4                  # flux-dev's dp_shard 4 x cp 1 on 4-GPU nodes
     assert got.overrides["train.global_batch"] == 512
     assert got.overrides["parallel.backend"] == "nccl"
+
+
+def test_sbatch_requeues_only_after_a_preemption(tmp_path):
+    run_dir = tmp_path / "run"
+    run_sbatch(SBATCH, tmp_path, env={"RUN_DIR": str(run_dir)})
+    assert not (tmp_path / "requeued").exists()              # a finished (or failed) run is not requeued
+    # the trainer stopped for SIGUSR1/SIGTERM and left its marker while srun ran: the job requeues itself
+    run_sbatch(SBATCH, tmp_path, env={"RUN_DIR": str(run_dir), "STUB_PREEMPTED_MARKER": str(run_dir / "requeue.json")})
+    assert (tmp_path / "requeued").read_text().strip() == "4242"
 
 
 def test_sbatch_typo_is_caught(tmp_path):
