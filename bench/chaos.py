@@ -90,16 +90,16 @@ def analyse(kind: str, run: Path, samples: Path, wall: float, rc: int, ref: dict
     rows = read_metrics(run)
     events = read_events(run)
     t_fault = fired_at(run)
-    resumes = [e for e in events if e["kind"] == "resume" and t_fault and e["time"] > t_fault]
+    # a restart is a new start of the job after the fault, resumed from a checkpoint or (none left) from step 0
+    starts = [e for e in events if e["kind"] == "start" and t_fault and e["time"] > t_fault]
     recovery = 0.0
     lost = 0
-    if resumes:
-        first = [m for m in rows if "loss" in m and m.get("time", 0) > resumes[0]["time"]]
+    if starts:
+        first = [m for m in rows if "loss" in m and m.get("time", 0) > starts[0]["time"]]
         recovery = (first[0]["time"] - t_fault) if first else None
         before = [m["step"] for m in rows if "loss" in m and m.get("time", 0) <= t_fault]
-        lost = max(0, (max(before) if before else 0) - resumes[0]["step"])
-    if kind == "hang":     # the stall until the watchdog fired is part of the recovery, as in production
-        pass
+        lost = max(0, (max(before) if before else 0) - starts[0]["step"])
+    resumes = starts
     got = final_files(run, steps)
     s, consistent = stream(samples)
     counted = sum(m.get("data_s", 0) + m.get("step_s", 0) for m in {m["step"]: m for m in rows if "loss" in m}.values())
@@ -149,7 +149,7 @@ def main() -> None:
         step = rng.randint(args.every + 2, args.steps - args.every)
         rank = rng.randint(0, 1)
         spec = {"kill": f"kill@{step}:{rank}", "killsave": f"killsave@{(step // args.every) * args.every}:0",
-                "corrupt": f"corrupt@{(step // args.every) * args.every + 2}:0", "enospc": f"enospc@{(step // args.every) * args.every}:{rank}",
+                "corrupt": f"corrupt@{max(2 * args.every, (step // args.every) * args.every) + 2}:0", "enospc": f"enospc@{(step // args.every) * args.every}:{rank}",
                 "nan": f"nan@{step}:{rank}", "hang": f"hang@{step}:{rank}", "sigterm": f"sigterm@{step}:{rank}"}[kind]
         rc, wall, err = torchrun(cfg, run, spec, samples)
         if kind == "sigterm" and rc == 0 and (run / "requeue.json").is_file():
@@ -162,7 +162,7 @@ def main() -> None:
             want = reference("nan-reference", skipped)
         row = analyse(kind, run, samples, wall, rc, want, args.steps)
         if kind == "sigterm":    # a planned stop: the "recovery" is the requeued job's start to its first step
-            ev = [e for e in read_events(run) if e["kind"] == "resume"]
+            ev = [e for e in read_events(run) if e["kind"] == "start"]
             rows = [m for m in read_metrics(run) if "loss" in m and ev and m.get("time", 0) > ev[-1]["time"]]
             row["recovery_seconds"] = round(rows[0]["time"] - requeue_at, 2) if rows and rc == 0 else None
             row["steps_lost"] = 0

@@ -5,9 +5,11 @@ The state: a stack of Linear layers (fp32) with its AdamW moments and an EMA cop
 1. ``sync_save_s``: a blocking save (DCP safetensors shards, trainer.json, SHA-256 of every file with
    fsync, the marker, the rename).
 2. ``async_stall_ratio``: an async save issued at a step; training continues while the background thread
-   writes. The extra step time over the whole save window (the window's step times minus the same number
-   of baseline steps, the staging stall included) over ``sync_save_s``. Baseline: the median step time of
-   the steps before the save.
+   copies and writes. The extra step time over the whole save window (the window's step times minus the
+   same number of baseline steps, stalls included) over ``sync_save_s``; mean of ``--repeats`` saves.
+   Baseline: the median step time of the 4 steps before and the 4 after each window. ``--threads``: torch
+   threads of the training steps (on a GPU node the CPU is mostly free for the writer; on a CPU-only box,
+   training on every core leaves the writer's copying and the kernel's I/O nothing to hide in).
 3. ``restore_vs_raw_read_ratio``: finding the newest checkpoint (which checksums every file), loading model,
    optimizer and EMA, over the time to read the same files sequentially; the page cache is dropped before
    each of the two (``page_cache`` says how).
@@ -43,9 +45,11 @@ def build(gb: float, width: int = 2048) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
-def step(model, opt, ema, x) -> float:
+def step(model, opt, ema, x, ck=None) -> float:
     t0 = time.perf_counter()
     model(x).pow(2).mean().backward()
+    if ck is not None:
+        ck.wait_staged()           # as the trainer does: the save's copy is complete before weights change
     opt.step()
     opt.zero_grad(set_to_none=True)
     ema.update()
@@ -57,6 +61,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.2, help="training state size (weights + AdamW + EMA), GiB")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for the training steps (0 = default)")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="async saves measured (the figures are means)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
     if args.threads:
@@ -79,16 +84,25 @@ def main() -> None:
         state_bytes = res.bytes
 
         ck = Checkpointer(root / "async", keep=1, async_save=True)
-        t0 = time.perf_counter()
-        res = ck.save(2, model, opt, ema, {"loader": {}})
-        times = [time.perf_counter() - t0]               # the step that saves: its stall
-        times[0] += step(model, opt, ema, x)
-        while not ck._pending.future.done():
-            times.append(step(model, opt, ema, x))
-        window_s = time.perf_counter() - t0
-        done = ck.wait()
-        assert done.error is None, done.error
-        extra = sum(times) - len(times) * t_base
+        extras, windows, stalls, counts = [], [], [], []
+        for rep in range(args.repeats):
+            # baseline: the median step time over steps just before and just after the save window
+            before = [step(model, opt, ema, x) for _ in range(4)]
+            t0 = time.perf_counter()
+            res = ck.save(2 + rep, model, opt, ema, {"loader": {}})
+            times = [time.perf_counter() - t0]           # the step that saves: its planning stall
+            times[0] += step(model, opt, ema, x, ck)
+            while not ck._pending.future.done():
+                times.append(step(model, opt, ema, x, ck))
+            windows.append(time.perf_counter() - t0)
+            done = ck.wait()
+            assert done.error is None, done.error
+            after = [step(model, opt, ema, x) for _ in range(4)]
+            t_ref = statistics.median(before + after)
+            extras.append(sum(times) - len(times) * t_ref)
+            stalls.append(done.stall_s)
+            counts.append(len(times))
+        extra = statistics.mean(extras)
         ck.close()
 
         # restore: checksum verification + DCP load into live model/optimizer/EMA, vs a raw read of the files
@@ -111,8 +125,8 @@ def main() -> None:
     print(json.dumps({
         "state_bytes": state_bytes, "threads": torch.get_num_threads(),
         "step_s": round(t_base, 4), "sync_save_s": round(sync_s, 3),
-        "async_stall_s": round(res.stall_s, 4), "async_window_s": round(window_s, 3),
-        "async_window_steps": len(times), "async_extra_s": round(extra, 3),
+        "async_stall_s": round(statistics.mean(stalls), 4), "async_window_s": round(statistics.mean(windows), 3),
+        "async_window_steps": counts, "async_extra_s": [round(e, 3) for e in extras],
         "async_stall_ratio": round(max(0.0, extra) / sync_s, 4),
         "raw_read_s": round(raw_s, 3), "raw_read_mb_s": round(n / raw_s / 1e6, 1), "restore_s": round(restore_s, 3),
         "restore_vs_raw_read_ratio": round(restore_s / raw_s, 3), "page_cache": page_cache,

@@ -103,6 +103,7 @@ def test_async_save_snapshot_is_not_torn_by_the_next_step(tmp_path):
     before = {k: v.clone() for k, v in m.state_dict().items()}
     ck = Checkpointer(tmp_path, async_save=True)
     res = ck.save(3, m, opt, None, {})
+    ck.wait_staged()                          # what the trainer does before its next optimizer step
     with torch.no_grad():                     # the next optimizer step changes the weights in place
         for p in m.parameters():
             p.mul_(-3.0).add_(7.0)

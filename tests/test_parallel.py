@@ -170,7 +170,7 @@ def _reseal(ck):
     from difftrain.train.checkpoint import MARKER, file_digest
     marker = json.loads((ck / MARKER).read_text())
     n, digest = file_digest(ck / "trainer.json")
-    marker["files"]["trainer.json"] = {"bytes": n, "sha256": digest}
+    marker["files"]["trainer.json"] = {"bytes": n, "crc32": digest}
     (ck / MARKER).write_text(json.dumps(marker))
 
 

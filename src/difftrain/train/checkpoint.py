@@ -8,7 +8,7 @@ Layout of ``RUN/checkpoints/step_00000123/``:
   function of (seed, step, sample index), so nothing per-rank needs restoring.
 - ``trainer.json``: everything that is not a tensor: step, samples seen, loader and curriculum state,
   schedule state, optimizer hyper-parameters, the resolved config and the text encoder's vocabulary.
-- ``COMPLETE.json``, written last: the size and SHA-256 of every other file.
+- ``COMPLETE.json``, written last: the size and CRC-32 of every other file.
 
 A save writes into ``step_N.partial``; the marker is written when every rank's shards and trainer.json
 are on disk (and fsynced); then the directory is renamed to ``step_N`` and ``latest`` is replaced
@@ -16,25 +16,27 @@ atomically. A checkpoint counts only with its marker and only if every file matc
 reports and skips one that does not (renaming it ``step_N.bad``, never deleting it) and falls back to the
 previous. A crash or a write error mid-save leaves the previous checkpoint as the newest complete one.
 
-Saves are asynchronous by default: the state is staged (copied to host memory, pinned on GPUs) before
-``save`` returns, so the next optimizer step cannot tear the snapshot, and written by a background thread
-over a process group of its own while training goes on. The stall (staging plus planning) is returned and
-logged. Nothing is loaded with pickle (DCP's default metadata file is a pickle; its safetensors reader
+Saves are asynchronous by default: a background thread copies the state to host memory (pinned buffers
+on GPUs, reused between saves) while the next step's forward and backward run, and the trainer calls
+``wait_staged`` before the optimizer step, so no snapshot is torn; the same thread then writes the shards
+over a process group of its own while training goes on. The stall (planning plus any wait for staging)
+is recorded and logged. Nothing is loaded with pickle (DCP's default metadata file is a pickle; its safetensors reader
 rebuilds the metadata from the safetensors headers).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -100,15 +102,17 @@ _CHUNK = 8 << 20
 
 
 def file_digest(path: Path, sync: bool = False) -> tuple[int, str]:
-    """(bytes, SHA-256 hex) of a file; with ``sync`` the file is also fsynced (its pages reach the disk)."""
-    h, n = hashlib.sha256(), 0
+    """(bytes, CRC-32 as 8 hex digits) of a file; with ``sync`` the file is also fsynced. CRC-32 catches the
+    damage a checkpoint meets (torn writes, flipped bits, truncation) at 2.3x the speed of SHA-256 here,
+    which both the seal of every save and the verification before every resume pay."""
+    crc, n = 0, 0
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
-            h.update(chunk)
+            crc = zlib.crc32(chunk, crc)
             n += len(chunk)
         if sync:
             os.fsync(f.fileno())
-    return n, h.hexdigest()
+    return n, f"{crc:08x}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -145,11 +149,111 @@ def verify(path: str | Path, checksums: bool = True) -> str | None:
             return f"{name} has {size} bytes, its marker says {want['bytes']}"
         if checksums:
             _, digest = file_digest(f)
-            if digest != want["sha256"]:
-                return f"{name} fails its SHA-256 checksum"
+            if digest != want["crc32"]:
+                return f"{name} fails its CRC-32 checksum"
     if "trainer.json" not in files:
         return "trainer.json is not listed in the marker"
     return None
+
+
+class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
+    """DCP's safetensors writer, writing each file as a stream: the header, then every tensor's bytes straight
+    from its memory (``safetensors.torch.save`` builds the whole file as one bytes object first, two extra
+    copies made while holding the GIL, which an async save's training thread then waits on). The file is
+    checksummed as it is written; the size and CRC-32 go to ``NAME.crc32`` beside it, so that sealing the
+    checkpoint need not read the shards back. Same format, same headers: DCP's reader loads it."""
+
+    def write_data(self, plan, planner):
+        from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY,
+                                                             FORMAT_VALUE, HF_DCP_VERSION, _gen_file_name)
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.storage import WriteResult
+        from torch.futures import Future
+
+        fut: Future = Future()
+        try:
+            storage = plan.storage_data or {}
+            mapping = storage.get("fqn_to_index_mapping")
+            buckets = self._split_by_storage_plan(mapping, plan.items)
+            highest = max(mapping.values()) if mapping is not None else 1
+            results = []
+            for index, items in buckets.items():
+                name = _gen_file_name(index, highest, storage.get("shard_index"))
+                results += self._write_file(Path(self.path) / name, name, items, planner, _StorageInfo, WriteResult,
+                                            {CUSTOM_METADATA_KEY: None, DCP_VERSION_KEY: str(HF_DCP_VERSION),
+                                             FORMAT_KEY: FORMAT_VALUE})
+            fut.set_result(results)
+        except Exception as e:     # noqa: BLE001 - reported through the future, as DCP's writers do
+            fut.set_exception(e)
+        return fut
+
+    @staticmethod
+    def _write_file(path: Path, name: str, items, planner, storage_info, write_result, meta: dict) -> list:
+        import struct
+
+        names = {v: k for k, v in _DTYPES.items()}
+        tensors, header, sharding, offset = [], {}, {}, 0
+        for wi in items:
+            t = planner.resolve_data(wi)
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{wi.index.fqn}: only tensors are written to safetensors shards")
+            t = t.detach().contiguous()
+            n = t.numel() * t.element_size()
+            fqn = wi.index.fqn
+            header[fqn] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            sharding[fqn] = {"saved_offsets": list(wi.tensor_data.chunk.offsets)}
+            tensors.append((wi, t, offset, n))
+            offset += n
+        meta = dict(meta)
+        key = next(k for k, v in meta.items() if v is None)
+        meta[key] = json.dumps(sharding)
+        head = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)                  # the data starts 8-byte aligned
+        crc = 0
+        out = []
+        with path.open("wb") as f:
+            for chunk in (struct.pack("<Q", len(head)), head):
+                f.write(chunk)
+                crc = zlib.crc32(chunk, crc)
+            start = 8 + len(head)
+            for wi, t, off, n in tensors:
+                if n:
+                    view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                    for i in range(0, n, _CHUNK):       # crc32 and write release the GIL on large buffers
+                        piece = view[i:i + _CHUNK]
+                        crc = zlib.crc32(piece, crc)
+                        f.write(piece)
+                out.append(write_result(index=wi.index, size_in_bytes=n,
+                                        storage_data=storage_info(name, start + off, n)))
+            f.flush()
+            os.fsync(f.fileno())
+        size = start + offset
+        side = path.with_name(path.name + ".crc32")
+        side.write_text(f"{size} {crc:08x}\n")
+        return out
+
+
+class _ReusedStager:
+    """Host-memory staging buffers allocated at the first save and reused by every later one (pinned when the
+    state is on a GPU, so the copy is a fast DMA): a new 1 GB buffer per save costs page faults that show up
+    as training stall. Saves never overlap (``save`` waits for the previous one), so one set is enough."""
+
+    def __init__(self):
+        self.cache = None
+        self.keys = None
+
+    def stage(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        keys = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        if self.cache is None or keys != self.keys:
+            pin = torch.cuda.is_available() and any(getattr(v, "is_cuda", False) for v in state.values())
+            self.cache, self.keys = _create_cpu_state_dict(state, pin_memory=pin), keys
+        return _copy_state_dict(state, self.cache)
+
+
+_DTYPES = {"F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8,
+           "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BF16": torch.bfloat16, "BOOL": torch.bool}
 
 
 @dataclass
@@ -170,7 +274,7 @@ class _Pending:
     step: int
     future: concurrent.futures.Future
     result: SaveResult
-    done: list[SaveResult] = field(default_factory=list)
+    staged: threading.Event
 
 
 class Checkpointer:
@@ -187,6 +291,7 @@ class Checkpointer:
         self.on_event = on_event or (lambda kind, step, **info: None)
         self._pending: _Pending | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stager_obj = None
         # Async writes synchronise over a gloo group of their own, so that they never interleave with the
         # training collectives of the default group (created collectively, by every rank, here).
         self._pg = dist.new_group(backend="gloo") if async_save and _distributed() else None
@@ -243,7 +348,7 @@ class Checkpointer:
             raise UserError(error or f"{partial}: rank 0 could not create the checkpoint directory")
         tensors, info = self._gather(model, optimizer, ema)
         doc = {"format": FORMAT, "step": step, "optimizer": info, **extra}
-        writer = faults.storage_writer(HuggingFaceStorageWriter, str(partial), step, save_distributed=_distributed())
+        writer = faults.storage_writer(StreamingSafetensorsWriter, str(partial), step, save_distributed=_distributed())
         result = SaveResult(step, final, 0.0, started)
         if blocking:
             try:
@@ -260,31 +365,47 @@ class Checkpointer:
             result.stall_s = time.perf_counter() - t0
             self.completed.append(result)
             return result
-        stager = self._stager()
-        future = _quiet(dcp.async_save, tensors, storage_writer=writer, process_group=self._pg,
-                        async_stager=stager, no_dist=not _distributed())
-        if hasattr(future, "upload_completion"):  # AsyncSaveResponse (async staging): wait for staging only
-            future.staging_completion.result()
-            future = future.upload_completion
+        # Staging (the copy to host memory) runs in the background too, overlapping the next step's forward
+        # and backward, which read the parameters but do not change them; ``wait_staged`` is called before
+        # anything writes them (the optimizer step, the EMA swap for sampling).
+        staged = threading.Event()
         result.stall_s = time.perf_counter() - t0
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="difftrain-ckpt")
-        self._pending = _Pending(step, self._pool.submit(self._complete, future, partial, final, doc, result, t0,
-                                                         stager), result)
+        self._pending = _Pending(step, self._pool.submit(self._write, tensors, writer, partial, final, doc, result,
+                                                         t0, staged), result, staged)
         return result
 
-    def _stager(self):
-        """Staging buffers: pinned host memory for GPU state (reused between saves), plain copies on CPUs."""
-        from torch.distributed.checkpoint.staging import BlockingAsyncStager
-        return BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available() and torch.cuda.is_initialized())
+    def wait_staged(self) -> float:
+        """Block until the save in flight has copied the state (no-op otherwise); returns the seconds waited,
+        which count as checkpoint stall."""
+        pending = self._pending
+        if pending is None or pending.staged.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        pending.staged.wait()
+        waited = time.perf_counter() - t0
+        pending.result.stall_s += waited
+        return waited
 
-    def _complete(self, future, partial: Path, final: Path, doc: dict, result: SaveResult, t0: float,
-                  stager) -> SaveResult:
-        """Background thread: wait for the shards (DCP's finish step gathers every rank's write results, so on
-        rank 0 this returns after all ranks wrote), then seal and rename on rank 0."""
+    def _stager(self):
+        if self._stager_obj is None:
+            self._stager_obj = _ReusedStager()
+        return self._stager_obj
+
+    def _write(self, tensors: dict[str, Tensor], writer, partial: Path, final: Path, doc: dict, result: SaveResult,
+               t0: float, staged: threading.Event) -> SaveResult:
+        """Background thread: stage, write this rank's shards (DCP's finish step gathers every rank's write
+        results, so on rank 0 it returns after all ranks wrote), then seal and rename on rank 0."""
         try:
-            future.result()
+            try:
+                copy = self._stager().stage(tensors)
+            finally:
+                staged.set()
+            del tensors
+            _quiet(dcp.save, copy, storage_writer=writer, process_group=self._pg, no_dist=not _distributed())
         except (Exception, CheckpointException) as e:
+            staged.set()
             result.error = _describe(e)
             self._abandon(partial, result)
             return result
@@ -296,7 +417,7 @@ class Checkpointer:
         return result
 
     def _finish(self, partial: Path, final: Path, doc: dict, result: SaveResult, t0: float) -> None:
-        """Rank 0: trainer.json, checksums of every file (fsynced), the marker, the rename, ``latest``,
+        """Rank 0: trainer.json, checksums of every file (from the writers' sidecars, or read back), the marker, the rename, ``latest``,
         retention. Other ranks: nothing."""
         if not _is_rank0():
             result.write_s = time.perf_counter() - t0
@@ -304,9 +425,17 @@ class Checkpointer:
         (partial / "trainer.json").write_text(json.dumps(doc, indent=1, default=_json_default))
         files = {}
         for f in sorted(partial.iterdir()):
-            if f.is_file() and f.name != MARKER:
+            if not f.is_file() or f.name == MARKER or f.name.endswith(".crc32"):
+                continue
+            side = f.with_name(f.name + ".crc32")
+            known = side.read_text().split() if side.is_file() else None
+            if known and int(known[0]) == f.stat().st_size:      # hashed (and fsynced) by the rank that wrote it
+                n, digest = int(known[0]), known[1]
+            else:
                 n, digest = file_digest(f, sync=True)
-                files[f.name] = {"bytes": n, "sha256": digest}
+            files[f.name] = {"bytes": n, "crc32": digest}
+        for side in partial.glob("*.crc32"):
+            side.unlink()
         faults.before_marker(doc["step"])
         tmp = partial / f"{MARKER}.tmp"
         with tmp.open("w") as fh:

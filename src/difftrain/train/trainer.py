@@ -202,6 +202,7 @@ class Trainer:
         self.preemption = Preemption()
         self.watchdog: Watchdog | None = None
         self.last_save = None
+        self.stall_s = 0.0
         self.straggler_info: dict = {}
         self.total_steps = tc.steps
         self.budget_fixed = tc.minutes == 0
@@ -316,6 +317,7 @@ class Trainer:
         if self.watchdog is not None:
             self.watchdog.beat(self.step, "checkpoint")
         self.last_save = self.checkpointer.save(self.step, self.model, self.optimizer, self.ema, extra, blocking)
+        self.stall_s += self.last_save.stall_s
         return self.last_save
 
     # --- one optimizer step -----------------------------------------------------------------------
@@ -390,6 +392,7 @@ class Trainer:
         t2 = time.perf_counter()
         wait += t2 - t1
         skipped = not math.isfinite(loss_sum) or not math.isfinite(gnorm)
+        self.stall_s += self.checkpointer.wait_staged()     # a save's copy of the state is complete
         if not skipped:
             self.optimizer.step()
             if self.ema is not None:
@@ -430,8 +433,9 @@ class Trainer:
                   "mem_gb": round(_mem_gb(self.device), 3), "skipped_steps": self.skipped_steps,
                   "restarts": self.restarts, "rollbacks": self.rollbacks}
         values.update(self.straggler_info)
-        if self.last_save is not None and self.last_save.step == self.step:
-            values["checkpoint_stall_s"] = round(self.last_save.stall_s, 4)
+        if self.stall_s:             # training time lost to checkpoints since the previous row
+            values["checkpoint_stall_s"] = round(self.stall_s, 4)
+            self.stall_s = 0.0
         errors = getattr(self.loader, "errors", None)
         if errors is not None:       # per-sample data faults skipped so far (damaged store rows)
             values["data_errors"] = errors
@@ -626,6 +630,7 @@ class Trainer:
         gathered one at a time (every rank takes part); rank 0 writes."""
         from safetensors.torch import save_file
 
+        self.checkpointer.wait_staged()
         out = self.run_dir / "export"
         source = self.ema.state_dict() if self.ema is not None else dict(self.model.named_parameters())
         sd = {}
@@ -646,6 +651,7 @@ class Trainer:
         from difftrain.images import caption_grid
 
         s, world = self.cfg.sample, world_from_config(self.cfg.data, self.cfg.eval.seed)
+        self.checkpointer.wait_staged()          # the EMA swap below writes the parameters
         pipe = self.pipeline()
         rows = []
         with self.ema.applied(self.model) if self.ema else contextlib.nullcontext(), cp_disabled(self.model):
