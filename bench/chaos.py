@@ -14,7 +14,8 @@ run's; for ``nan``, to a run that skips the same step) and ``stream_identical`` 
 sample ids, every step present). ``goodput``: wall time of the steps that count over the wall time of all
 faulted jobs (process starts included). ``goodput_at_1_fault_per_hour``: projected from the measured mean
 recovery time, the mean lost work at the run's checkpoint interval (half an interval of steps) and the
-measured checkpoint stall per interval, at a production step time (``--step-seconds``).
+measured checkpoint stall per interval, at the reference run's measured step time (``--step-seconds`` to
+project for another).
 
     python bench/chaos.py [--steps 40] [--every 5] [--seed 0] [--faults kill,killsave,...]
 """
@@ -26,6 +27,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,8 +50,15 @@ def torchrun(cfg: Path, run: Path, faults: str, samples: Path, restarts: int = 3
            f"--max-restarts={restarts}", "-m", "difftrain", "train", str(cfg), "--run-dir", str(run), "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_FAULTS": faults, "DIFFTRAIN_SAMPLE_LOG": str(samples)}
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    return proc.returncode, time.time() - t0, proc.stderr[-2000:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)       # a timeout kills the workers too
+    try:
+        _, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        return -9, time.time() - t0, "timed out after 900 s\n" + err[-2000:]
+    return proc.returncode, time.time() - t0, err[-2000:]
 
 
 class Tensors(dict):
@@ -120,8 +129,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5, help="checkpoint interval (steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults", default=",".join(ALL))
-    ap.add_argument("--step-seconds", type=float, default=5.0,
-                    help="step time of the production run the goodput is projected for")
+    ap.add_argument("--step-seconds", type=float, default=0.0,
+                    help="step time the goodput is projected for (default: the reference run's measured mean)")
     ap.add_argument("--keep", default=None, help="keep the run directories here")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -140,7 +149,9 @@ def main() -> None:
         rc, wall, err = torchrun(cfg, run, "", samples, restarts=0)
         if rc != 0:
             raise SystemExit(f"reference run failed:\n{err}")
-        return {"files": final_files(run, args.steps), "stream": stream(samples)[0], "wall": wall}
+        rows = [m for m in read_metrics(run) if "loss" in m]
+        step_s = sum(m.get("data_s", 0) + m.get("step_s", 0) for m in rows) / max(1, len(rows))
+        return {"files": final_files(run, args.steps), "stream": stream(samples)[0], "wall": wall, "step_s": step_s}
 
     ref = reference("reference")
     out = []
@@ -181,7 +192,8 @@ def main() -> None:
     rec = sum(r["recovery_seconds"] for r in restarts) / max(1, len(restarts))
     stalls = [s for r in out for s in r["checkpoint_stall_s"] if s is not None]
     stall = sum(stalls) / max(1, len(stalls))
-    interval_s = args.every * args.step_seconds
+    step_seconds = args.step_seconds or ref["step_s"]
+    interval_s = args.every * step_seconds
     lost_s = interval_s / 2
     projected = 1 - (rec + lost_s) / 3600 - stall / interval_s
     print(json.dumps({
@@ -191,7 +203,7 @@ def main() -> None:
         "goodput": round(counted / wall, 4) if wall else None,
         "goodput_at_1_fault_per_hour": round(projected, 4),
         "projection": {"mean_recovery_s": round(rec, 2), "checkpoint_interval_steps": args.every,
-                       "step_seconds": args.step_seconds, "lost_work_s": lost_s, "mean_checkpoint_stall_s": round(stall, 4)},
+                       "step_seconds": round(step_seconds, 4), "lost_work_s": round(lost_s, 3), "mean_checkpoint_stall_s": round(stall, 4)},
         "reference_wall_seconds": round(ref["wall"], 2), "steps": args.steps, "world": 2,
         "all_recovered": all(r["recovered"] for r in out),
         "all_identical": all(r["final_state_identical"] and r["stream_identical"] for r in out),

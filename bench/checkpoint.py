@@ -12,7 +12,7 @@ The state: a stack of Linear layers (fp32) with its AdamW moments and an EMA cop
    training on every core leaves the writer's copying and the kernel's I/O nothing to hide in).
 3. ``restore_vs_raw_read_ratio``: finding the newest checkpoint (which checksums every file), loading model,
    optimizer and EMA, over the time to read the same files sequentially; the page cache is dropped before
-   each of the two (``page_cache`` says how).
+   each (``page_cache`` says how); ``--repeats`` alternating pairs, medians.
 
     python bench/checkpoint.py [--gb 1.2] [--threads N]
 """
@@ -108,19 +108,22 @@ def main() -> None:
         # restore: checksum verification + DCP load into live model/optimizer/EMA, vs a raw read of the files
         files = sorted((root / "async" / "checkpoints").rglob("*"))
         files = [f for f in files if f.is_file()]
-        page_cache = drop_cache(root)
-        t0 = time.perf_counter()
-        n = 0
-        for f in files:
-            with open(f, "rb", buffering=0) as fh:
-                while chunk := fh.read(8 << 20):
-                    n += len(chunk)
-        raw_s = time.perf_counter() - t0
-        drop_cache(root)
-        t0 = time.perf_counter()
-        latest = Checkpointer(root / "async").latest()
-        Checkpointer.load(latest, model, opt, ema)
-        restore_s = time.perf_counter() - t0
+        raws, restores = [], []
+        for _ in range(args.repeats):        # alternate, page cache dropped before each; medians reported
+            page_cache = drop_cache(root)
+            t0 = time.perf_counter()
+            n = 0
+            for f in files:
+                with open(f, "rb", buffering=0) as fh:
+                    while chunk := fh.read(8 << 20):
+                        n += len(chunk)
+            raws.append(time.perf_counter() - t0)
+            drop_cache(root)
+            t0 = time.perf_counter()
+            latest = Checkpointer(root / "async").latest()
+            Checkpointer.load(latest, model, opt, ema)
+            restores.append(time.perf_counter() - t0)
+        raw_s, restore_s = statistics.median(raws), statistics.median(restores)
 
     print(json.dumps({
         "state_bytes": state_bytes, "threads": torch.get_num_threads(),
@@ -130,6 +133,7 @@ def main() -> None:
         "async_stall_ratio": round(max(0.0, extra) / sync_s, 4),
         "raw_read_s": round(raw_s, 3), "raw_read_mb_s": round(n / raw_s / 1e6, 1), "restore_s": round(restore_s, 3),
         "restore_vs_raw_read_ratio": round(restore_s / raw_s, 3), "page_cache": page_cache,
+        "raw_read_runs_s": [round(x, 3) for x in raws], "restore_runs_s": [round(x, 3) for x in restores],
     }))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,16 @@ def _torchrun(config: Path, run_dir: Path, faults: str = "", restarts: int = 0, 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_FAULTS": faults}
     if sample_log is not None:
         env["DIFFTRAIN_SAMPLE_LOG"] = str(sample_log)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    # A session of its own, so that a timeout kills torchrun's workers too, not only torchrun.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"torchrun did not finish within {timeout} s:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 class _Tensors(dict):
@@ -112,6 +122,11 @@ def test_sigterm_preemption_stops_all_ranks_at_one_step_and_requeues(reference, 
     assert stopped == 5 and marker["reason"] == "a signal on another rank"
     assert (run / "checkpoints" / f"step_{stopped:08d}" / "COMPLETE.json").is_file()
     assert [e["step"] for e in read_events(run) if e["kind"] == "preempt"] == [stopped]
+    # every rank logged the stop in its own JSON log, under the job's run id
+    logs = {r: [json.loads(x) for x in (run / "logs" / f"rank_{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    stops = {r: [x for x in logs[r] if "preempted" in x["msg"]] for r in (0, 1)}
+    assert all(len(stops[r]) == 1 and stops[r][0]["rank"] == r and stops[r][0]["step"] == stopped for r in (0, 1))
+    assert stops[0][0]["run_id"] == stops[1][0]["run_id"]
     # the requeued job finishes the run, removes the marker and ends where the uninterrupted run ended
     proc = _torchrun(reference["cfg"], run, "sigterm@5:1", sample_log=tmp_path / "samples")
     assert proc.returncode == 0, proc.stderr[-3000:]

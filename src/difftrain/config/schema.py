@@ -236,7 +236,7 @@ class HealthConfig:
     max_rollbacks: int = meta("rollbacks in one run before it fails", ge=0, default=3)
     rollback_lr_factor: float = meta("multiply the LR by this after each rollback (1 = unchanged)", gt=0, le=1,
                                      default=1.0)
-    spike_window: int = meta("losses in the window of the loss-spike detector", ge=5, default=200)
+    spike_window: int = meta("losses (of the same task) in the window of the loss-spike detector", ge=5, default=200)
     spike_z: float = meta("robust z-score (median/MAD over the window) above which a loss is logged as a spike "
                           "with the batch's sample ids (0 = off)", ge=0, default=8.0)
     hang_seconds: float = meta("a rank with no progress for this long dumps every thread's stack to RUN/hang/ and "

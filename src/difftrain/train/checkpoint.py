@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -236,20 +237,35 @@ class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
 class _ReusedStager:
     """Host-memory staging buffers allocated at the first save and reused by every later one (pinned when the
     state is on a GPU, so the copy is a fast DMA): a new 1 GB buffer per save costs page faults that show up
-    as training stall. Saves never overlap (``save`` waits for the previous one), so one set is enough."""
+    as training stall. Saves never overlap (``save`` waits for the previous one), so one set is enough.
+
+    Host tensors are copied with numpy, not torch: a torch op run from this background thread starts an
+    OpenMP thread team of its own, whose idle workers then contend with the training threads' team (seen as
+    ~15,000 voluntary context switches a second and 20% slower steps for the rest of the run)."""
 
     def __init__(self):
-        self.cache = None
+        self.cache: dict[str, Tensor] | None = None
         self.keys = None
 
     def stage(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed.tensor import DTensor
 
-        keys = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        local = {k: (v.to_local() if isinstance(v, DTensor) else v).detach() for k, v in state.items()}
+        keys = {k: (tuple(v.shape), v.dtype) for k, v in local.items()}
         if self.cache is None or keys != self.keys:
-            pin = torch.cuda.is_available() and any(getattr(v, "is_cuda", False) for v in state.values())
-            self.cache, self.keys = _create_cpu_state_dict(state, pin_memory=pin), keys
-        return _copy_state_dict(state, self.cache)
+            pin = torch.cuda.is_available() and any(v.is_cuda for v in local.values())
+            self.cache = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in local.items()}
+            self.keys = keys
+        out = {}
+        for k, v in state.items():
+            buf, src = self.cache[k], local[k]
+            if src.is_cuda:
+                buf.copy_(src)
+            elif src.numel():
+                np.copyto(buf.reshape(-1).view(torch.uint8).numpy(), src.contiguous().reshape(-1).view(torch.uint8).numpy())
+            out[k] = (DTensor.from_local(buf, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                                         stride=v.stride()) if isinstance(v, DTensor) else buf)
+        return out
 
 
 _DTYPES = {"F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8,

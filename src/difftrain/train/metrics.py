@@ -38,7 +38,7 @@ class MetricsLogger:
         self._registry = CollectorRegistry()
         self._gauges = {}
         try:
-            start_http_server(port, registry=self._registry)
+            self._server = start_http_server(port, registry=self._registry)
         except OSError as e:
             from difftrain.errors import UserError
             raise UserError(f"train.metrics_port: cannot serve Prometheus metrics on port {port} ({e})") from None
@@ -87,6 +87,10 @@ class MetricsLogger:
             os.close(fd)
 
     def close(self) -> None:
+        server = getattr(self, "_server", None)
+        if isinstance(server, tuple):        # (WSGIServer, thread) from prometheus_client >= 0.17
+            server[0].shutdown()
+            server[0].server_close()
         if self.enabled:
             self._file.close()
             if self._tb is not None:

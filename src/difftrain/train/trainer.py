@@ -142,7 +142,10 @@ class Trainer:
         self.run_id = run_id()
         self.log_handler = JsonLogHandler(self.run_dir / "logs" / f"rank_{self.env.rank}.jsonl", self.run_id,
                                           self.env.rank)
-        logging.getLogger("difftrain").addHandler(self.log_handler)
+        root_logger = logging.getLogger("difftrain")
+        root_logger.addHandler(self.log_handler)
+        if root_logger.getEffectiveLevel() > logging.INFO:   # the JSON log keeps INFO whatever the console shows
+            root_logger.setLevel(logging.INFO)
         self.metrics = MetricsLogger(self.run_dir, port=(tc.metrics_port + self.env.rank) if tc.metrics_port else 0)
         self.device = self.env.device
         self.amp = amp_dtype(tc.precision, self.device)
@@ -198,7 +201,8 @@ class Trainer:
         self.lr_scale = 1.0
         self.skip_steps: set[int] = set(self._read_skip_file())
         hc = cfg.health
-        self.spikes = SpikeDetector(hc.spike_window, hc.spike_z) if hc.spike_z > 0 else None
+        # one detector per task: the tasks' loss levels differ more than a spike within one task
+        self.spikes: dict[str, SpikeDetector] | None = {} if hc.spike_z > 0 else None
         self.preemption = Preemption()
         self.watchdog: Watchdog | None = None
         self.last_save = None
@@ -488,7 +492,8 @@ class Trainer:
         are gathered from every rank."""
         if self.spikes is None or stats.skipped:
             return
-        z = self.spikes.update(stats.loss)
+        hc = self.cfg.health
+        z = self.spikes.setdefault(batches[0].task, SpikeDetector(hc.spike_window, hc.spike_z)).update(stats.loss)
         if z is None:
             return
         ids = torch.cat([torch.as_tensor(b.sample_ids, dtype=torch.int64).flatten() for b in batches]).to(self.device)
@@ -501,8 +506,8 @@ class Trainer:
             torch.distributed.all_gather(out, padded)
             ids = torch.cat(out)
         sample_ids = sorted({int(x) for x in ids.tolist() if x >= 0})
-        log.warning("step %d: loss spike %.4g (robust z %.1f), task %s, sample ids %s", step, stats.loss, z,
-                    batches[0].task, sample_ids[:64])
+        log.warning("step %d: loss spike %.4g (robust z %.1f), task %s, %d samples (ids in events.jsonl)", step,
+                    stats.loss, z, batches[0].task, len(sample_ids))
         self.metrics.event("spike", step, loss=stats.loss, z=round(z, 2), task=batches[0].task, sample_ids=sample_ids)
 
     def _check_stragglers(self, busy: float) -> None:
@@ -590,6 +595,7 @@ class Trainer:
             saved_now = self.last_save is not None and self.last_save.step == self.step
             if self.step % tc.log_every == 0 or self.step == self.total_steps or saved_now:
                 self._log(stats, batches[0], t1 - t0, t2 - t1)
+        self.log_handler.step = self.step
         if preempted is not None:
             self.save(blocking=True)
             self._log(stats, batches[0], t1 - t0, t2 - t1)
@@ -602,6 +608,8 @@ class Trainer:
             self.save(blocking=True)
             self.watchdog.beat(self.step, "export")
             self.export()
+            log.info("finished: %d steps, %d skipped, %d rollbacks, %.1f s of training", self.step,
+                     self.skipped_steps, self.rollbacks, self.train_seconds)
         self.checkpointer.wait()
         self.watchdog.stop()
         return {"steps": self.step, "train_seconds": round(self.train_seconds, 2), "num_params": params,

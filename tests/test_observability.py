@@ -1,0 +1,99 @@
+"""Metrics endpoint, events, per-rank JSON logs, the loss-spike detector, the hang watchdog and straggler
+detection."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.request
+
+import pytest
+
+from difftrain.train.health import HANG_EXIT_CODE, SpikeDetector, stragglers
+from difftrain.train.metrics import MetricsLogger, read_events
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_endpoint_serves_metrics_and_event_counters(tmp_path):
+    port = _free_port()
+    m = MetricsLogger(tmp_path, tensorboard=False, port=port)
+    try:
+        m.log(7, {"loss": 0.25, "samples_per_s": 12.5, "task": "t2i"})
+        m.event("checkpoint", 7, bytes=10)
+        m.event("checkpoint", 14, bytes=10)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        m.close()
+    assert 'difftrain_loss{rank="0"} 0.25' in text
+    assert 'difftrain_samples_per_s{rank="0"} 12.5' in text
+    assert 'difftrain_step{rank="0"} 7.0' in text
+    assert 'difftrain_events_checkpoint_total{rank="0"} 2.0' in text
+    assert "task" not in text.split("difftrain_step")[0].split("difftrain_loss")[-1]   # strings are not gauges
+    assert [e["step"] for e in read_events(tmp_path)] == [7, 14]
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+    from difftrain.errors import UserError
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        with pytest.raises(UserError, match="metrics_port"):
+            MetricsLogger(tmp_path, tensorboard=False, port=s.getsockname()[1])
+
+
+def test_training_writes_per_rank_json_logs_events_and_the_step_breakdown(tiny_cfg, tmp_path):
+    from difftrain.train.trainer import Trainer
+
+    tr = Trainer(tiny_cfg("train.steps=4", "train.checkpoint_every=2"), tmp_path / "run")
+    try:
+        tr.fit()
+    finally:
+        tr.close()
+    logs = [json.loads(line) for line in (tmp_path / "run" / "logs" / "rank_0.jsonl").read_text().splitlines()]
+    assert logs and all(r["rank"] == 0 and r["run_id"] == tr.run_id for r in logs)
+    assert any(r["step"] is not None for r in logs)
+    kinds = [e["kind"] for e in read_events(tmp_path / "run")]
+    assert kinds[0] == "start" and kinds.count("checkpoint") == 2
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("time", "fwd_bwd_s", "optim_s", "data_s", "mem_gb", "skipped_steps", "restarts", "samples_seen"):
+        assert key in row, key
+    assert row["samples_seen"] == 4 * 4 and row[f"loss_{row['task']}"] == row["loss"]
+
+
+def test_spike_detector_flags_outliers_only():
+    d = SpikeDetector(window=50, threshold=8.0, min_count=20)
+    flagged = [d.update(1.0 + 0.01 * ((i * 7) % 5)) for i in range(60)]
+    assert not any(flagged)
+    assert d.update(5.0) is not None          # far outside the window's spread
+    assert d.update(1.02) is None
+    assert d.update(float("nan")) is None     # a NaN is the skip logic's business, not a spike
+
+
+def test_stragglers():
+    assert stragglers([1.0, 1.1, 0.9, 2.0], 1.5) == [3]
+    assert stragglers([1.0, 1.2], 1.5) == []
+    assert stragglers([3.0], 1.5) == []
+
+
+def test_watchdog_dumps_stacks_and_exits_for_the_launcher(tmp_path):
+    code = textwrap.dedent(f"""
+        import time
+        from difftrain.train.health import Watchdog
+        w = Watchdog({str(tmp_path)!r}, 3, timeout=1.0, startup_timeout=1.0).start()
+        w.beat(5)
+        def stuck_in_a_collective():
+            time.sleep(60)
+        stuck_in_a_collective()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+    dump = (tmp_path / "hang" / "rank_3.txt").read_text()
+    assert "no progress" in dump and "after step 5" in dump and "stuck_in_a_collective" in dump
