@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from difftrain.errors import UserError
+from difftrain.train.metrics import read_jsonl
 
 MAX_EVENTS_SHOWN = 50
 MAX_SAMPLES = 3
@@ -72,26 +73,6 @@ class RunData:
 
 
 # --- reading ------------------------------------------------------------------------------------------
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a JSONL file and how many non-blank lines were not one."""
-    if not path.is_file():
-        return [], 0
-    records, bad = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            bad += 1
-    return records, bad
-
-
 def _num(v: Any) -> float | None:
     """A finite float, or None for a missing / non-numeric / non-finite value."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -115,14 +96,14 @@ def read_run(run_dir: str | Path) -> RunData:
     if not metrics.is_file():
         raise UserError(f"{run_dir}: no metrics.jsonl there; expected {expected}")
     data = RunData(run_dir)
-    rows, data.bad_metrics = _read_jsonl(metrics)
+    rows, data.bad_metrics = read_jsonl(metrics)
     for r in rows:                       # a row without an integer step cannot be placed: count it as bad
         s = _step(r.get("step"))
         if s is None:
             data.bad_metrics += 1
         else:
             data.rows.append({**r, "step": s})
-    data.events, data.bad_events = _read_jsonl(run_dir / "events.jsonl")
+    data.events, data.bad_events = read_jsonl(run_dir / "events.jsonl")
     samples_dir = run_dir / "samples"
     if samples_dir.is_dir():
         data.samples = sorted(p for p in samples_dir.glob("*.png") if p.is_file())[-MAX_SAMPLES:]

@@ -61,7 +61,6 @@ class Watchdog:
         self.last = time.monotonic()
         self.step: int | None = None
         self.what = "start-up"
-        self.paused = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

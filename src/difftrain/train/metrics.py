@@ -98,19 +98,29 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    return _read_jsonl(Path(run_dir) / "metrics.jsonl")
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")[0]
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    return _read_jsonl(Path(run_dir) / "events.jsonl")
+    return read_jsonl(Path(run_dir) / "events.jsonl")[0]
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:      # a line cut short by a killed process
-                pass
-    return out
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a JSONL file and how many non-blank lines were not one (e.g. a line cut short by a
+    killed process)."""
+    if not path.is_file():
+        return [], 0
+    records, bad = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(obj, dict):
+            records.append(obj)
+        else:
+            bad += 1
+    return records, bad

@@ -106,7 +106,7 @@ def config_changes(saved: dict, now: dict, allowed: tuple[str, ...] = ()) -> lis
     a, b = _flat(saved), _flat(now)
     out = []
     for key in sorted(set(a) | set(b)):
-        if a.get(key) == b.get(key) or key.startswith(ALWAYS_CHANGEABLE) or key in ALWAYS_CHANGEABLE:
+        if a.get(key) == b.get(key) or key.startswith(ALWAYS_CHANGEABLE):
             continue
         if any(key == x or key.startswith(x.rstrip(".") + ".") for x in allowed):
             continue
@@ -196,7 +196,7 @@ class Trainer:
                                    self.device, self.micro_batch)
         self.step = 0
         self.samples_seen = 0
-        self.restarts = self.rollbacks = self.skipped_steps = self.replay_skipped = 0
+        self.restarts = self.rollbacks = self.skipped_steps = 0
         self.consecutive_bad = 0
         self.lr_scale = 1.0
         self.skip_steps: set[int] = set(self._read_skip_file())
@@ -550,7 +550,6 @@ class Trainer:
             if os.environ.get("DIFFTRAIN_SAMPLE_LOG"):
                 faults.record_samples(self.step + 1, [int(i) for b in batches for i in torch.as_tensor(b.sample_ids).flatten()])
             if self.step + 1 in self.skip_steps:      # a batch that broke training before: not trained on again
-                self.replay_skipped += 1
                 log.info("step %d: batch skipped on replay (it gave a non-finite step before)", self.step + 1)
                 self.step += 1
                 continue
