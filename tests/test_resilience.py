@@ -135,6 +135,23 @@ def test_sigterm_preemption_stops_all_ranks_at_one_step_and_requeues(reference, 
     assert _stream(tmp_path / "samples") == reference["stream"]
 
 
+def test_a_slow_rank_is_reported_as_a_straggler(reference, tmp_path):
+    run = tmp_path / "run"
+    cfg = tmp_path / "slow.toml"
+    cfg.write_text(to_toml(load_config(None, BASE + ["train.steps=8", "health.straggler_every=4",
+                                                     "health.straggler_factor=1.3"])))
+    os.environ["DIFFTRAIN_SLOW_S"] = "0.4"
+    try:
+        proc = _torchrun(cfg, run, "slow@1:1")
+    finally:
+        del os.environ["DIFFTRAIN_SLOW_S"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [e for e in read_events(run) if e["kind"] == "straggler"]
+    assert [e["step"] for e in found] == [4, 8] and all(e["ranks"] == [1] for e in found)
+    rows = [m for m in read_metrics(run) if "stragglers" in m]
+    assert rows and rows[-1]["stragglers"] == 1
+
+
 def _train(cfg_overrides, run_dir, *flags):
     from difftrain.cli import main
     cfg = run_dir.parent / f"{run_dir.name}.toml"

@@ -543,8 +543,8 @@ class Trainer:
         while self.step < self.total_steps:
             self.watchdog.beat(self.step)
             self.log_handler.step = self.step
+            t0 = time.perf_counter()                   # (an injected 'slow' fault counts as this rank's time)
             faults.at_step(self.step + 1, wait=self.checkpointer.wait)
-            t0 = time.perf_counter()
             batches = next(self.loader)
             t1 = time.perf_counter()
             if os.environ.get("DIFFTRAIN_SAMPLE_LOG"):
