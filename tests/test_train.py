@@ -115,3 +115,18 @@ def test_time_budget_sets_the_step_count_and_the_schedule(tiny_cfg, tmp_path):
     last = read_metrics(tmp_path / "run")[-1]
     assert last["step"] == summary["steps"] and last["lr"] == pytest.approx(cfg.train.lr * cfg.train.min_lr_ratio,
                                                                             rel=1e-2)
+
+
+def test_step_clock_measures_recent_steps_so_a_slow_start_does_not_shorten_the_run():
+    from difftrain.train.trainer import StepClock
+    clock, seconds, seen = StepClock(every=60, window=6, skip=5), 0.0, []
+    for step in range(1, 60 * 10 + 1):
+        seconds += 1.0 if step <= 65 else 0.1           # the first 60 measured steps are 10x slower
+        measured = clock.observe(step, seconds)
+        if measured is not None:
+            seen.append((step, measured[1] / measured[0]))
+    assert [s for s, _ in seen] == list(range(65, 601, 60))    # every 60 steps after the first mark (step 5)
+    assert seen[0][1] == pytest.approx(1.0)              # only slow steps so far
+    assert 0.1 < seen[5][1] < 1.0                        # the slow interval still in the window
+    assert all(r == pytest.approx(0.1) for _, r in seen[6:])   # then it has left it
+    assert clock.observe(4, 0.0) is None and StepClock().observe(3, 1.0) is None   # before 'skip': no mark

@@ -82,6 +82,27 @@ class StepStats:
     wait_s: float = 0.0      # time in the step's explicit collectives (a straggler waits least)
 
 
+class StepClock:
+    """Training speed for ``train.minutes``: every ``every`` steps, the (steps, seconds) of the last
+    ``window`` intervals, skipping the first ``skip`` steps (allocator warm-up, compilation). Intervals are
+    long enough to average the task mixture (keyframe batches cost several times a t2i batch); only the
+    recent ones count, so a slow start (another process, a cold page cache) does not shorten the run."""
+
+    def __init__(self, every: int = 60, window: int = 6, skip: int = 5):
+        self.every, self.window, self.skip = every, window, skip
+        self.marks: list[tuple[int, float]] = []
+
+    def observe(self, step: int, seconds: float) -> tuple[int, float] | None:
+        if not self.marks:
+            if step >= self.skip:
+                self.marks.append((step, seconds))
+            return None
+        if step - self.marks[-1][0] < self.every:
+            return None
+        self.marks.append((step, seconds))
+        first = self.marks[max(0, len(self.marks) - 1 - self.window)]
+        return step - first[0], seconds - first[1]
+
 # Config keys a resumed run may change without --allow-config-change: how the job runs, not what it computes.
 ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes", "train.log_every",
                      "train.sample_every", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_every",
@@ -413,8 +434,8 @@ class Trainer:
 
     def _fix_budget(self, steps_done: int, seconds: float) -> None:
         """With ``train.minutes``, set the step count (and with it the LR schedule) from the measured speed.
-        Called every 60 steps (the first steps are often slower than the rest) until half of the steps are
-        done; later the schedule stays put. Each correction moves the cosine LR by a few %. Every rank
+        Called every 60 steps with the time of the recent steps (``StepClock``) until half of the steps
+        are done; later the schedule stays put. Each correction moves the cosine LR by a few %. Every rank
         uses the mean of the ranks' timings, so all agree on the step count."""
         budget = self.cfg.train.minutes * 60
         seconds, elapsed = (x / self.env.world for x in all_reduce_sum([seconds, self.train_seconds], self.device))
@@ -532,7 +553,7 @@ class Trainer:
         params = num_params(self.model)
         tokens_seen = 0
         t_start = time.perf_counter()
-        calib_from, calib_at = None, None
+        clock = StepClock()
         busy = 0.0
         preempted = None
         self.preemption.install()
@@ -573,11 +594,12 @@ class Trainer:
             self._spike(stats, batches, step_number)
             if not self.budget_fixed:
                 # Measure speed over enough steps to average the task mixture (keyframe batches cost
-                # several times a t2i batch), skipping the first steps (allocator warm-up, compilation).
-                if calib_from is None and self.step >= 5:
-                    calib_from, calib_at = self.step, self.train_seconds
-                elif calib_from is not None and (self.step - calib_from) % 60 == 0:
-                    self._fix_budget(self.step - calib_from, self.train_seconds - calib_at)
+                # several times a t2i batch), skipping the first steps (allocator warm-up, compilation),
+                # and over the recent steps only, so a slow start (another process, a cold page cache)
+                # does not shorten the whole run.
+                measured = clock.observe(self.step, self.train_seconds)
+                if measured is not None:
+                    self._fix_budget(*measured)
             if hc.straggler_every and self.step % hc.straggler_every == 0:
                 self._check_stragglers(busy)
                 busy = 0.0
