@@ -82,3 +82,16 @@ def test_unreadable_image_frames_zero_and_long_prompt(trained, tmp_path):
     warning = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warning) == 1 and "truncated" in warning[0] and "16" in warning[0]
     assert len(json.loads(r.stdout)["images"]) == 1
+
+
+def test_guidance_on_a_model_trained_without_caption_dropout_is_warned(tiny_cfg, caplog):
+    from difftrain.inference import guidance_scale
+    no_dropout = tiny_cfg("data.caption_dropout=0.0", "sample.cfg_scale=1.0")
+    with caplog.at_level("WARNING", logger="difftrain"):
+        assert guidance_scale(no_dropout, None) == 1.0 and guidance_scale(no_dropout, 1) == 1.0
+        assert not caplog.records
+        assert guidance_scale(no_dropout, 3.0) == 3.0
+        assert len(caplog.records) == 1 and "caption_dropout = 0" in caplog.records[0].getMessage()
+        caplog.clear()
+        assert guidance_scale(tiny_cfg("data.caption_dropout=0.1", "sample.cfg_scale=4.0"), None) == 4.0
+        assert not caplog.records

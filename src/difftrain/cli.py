@@ -239,14 +239,13 @@ def cmd_sample(args) -> int:
     if args.frames is not None and args.frames < 1:
         raise UserError(f"--frames {args.frames}: expected a number of keyframes >= 1")
     from difftrain.images import caption_grid, read_image, write_png
-    from difftrain.inference import load_pipeline, request_batch
+    from difftrain.inference import guidance_scale, load_pipeline, request_batch
 
     pipe, cfg, info = load_pipeline(args.checkpoint, use_ema=not args.raw_weights)
     edit = read_image(args.edit, cfg.data.image_size) if args.edit else None
     batch = request_batch(pipe, cfg, [args.prompt] * args.num_images, edit, args.frames)
     seed = cfg.sample.seed if args.seed is None else args.seed
-    lat = pipe.sample(batch, args.steps or cfg.sample.steps,
-                      cfg.sample.cfg_scale if args.cfg_scale is None else args.cfg_scale, seed=seed)
+    lat = pipe.sample(batch, args.steps or cfg.sample.steps, guidance_scale(cfg, args.cfg_scale), seed=seed)
     imgs = pipe.to_images(lat)
     out = Path(args.out) if args.out else Path(info["path"]).parent.parent / "samples" / "cli"
     written = []
@@ -267,14 +266,13 @@ def cmd_eval(args) -> int:
     from difftrain.data import world_from_config
     from difftrain.evaluate import EVAL_KEYS, evaluate
     from difftrain.images import caption_grid
-    from difftrain.inference import load_pipeline
+    from difftrain.inference import guidance_scale, load_pipeline
 
     pipe, cfg, _ = load_pipeline(args.checkpoint)
     world_seed, noise_seed = (cfg.eval.seed, cfg.sample.seed) if args.seed is None else (args.seed, args.seed)
     metrics, gens = evaluate(pipe, world_from_config(cfg.data, world_seed), args.n or cfg.eval.n,
                              args.steps or cfg.sample.steps,
-                             cfg.sample.cfg_scale if args.cfg_scale is None else args.cfg_scale,
-                             noise_seed, cfg.eval.keyframe_given)
+                             guidance_scale(cfg, args.cfg_scale), noise_seed, cfg.eval.keyframe_given)
     if args.grid:
         caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
     if args.json:

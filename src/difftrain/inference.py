@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -15,6 +16,19 @@ from difftrain.errors import UserError
 from difftrain.models import build_autoencoder, build_model, build_text_encoder
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.trainer import amp_dtype, pick_device
+
+log = logging.getLogger("difftrain")
+
+
+def guidance_scale(cfg: Config, requested: float | None) -> float:
+    """The CFG scale to sample with: ``requested``, else ``sample.cfg_scale``. Guidance needs an
+    unconditional prediction, which only caption dropout trains: with ``data.caption_dropout = 0`` a scale
+    other than 1 is warned about (it extrapolates from an untrained prediction)."""
+    scale = cfg.sample.cfg_scale if requested is None else float(requested)
+    if scale != 1.0 and cfg.data.caption_dropout == 0.0:
+        log.warning("cfg scale %g: this model was trained with data.caption_dropout = 0, so its unconditional "
+                    "prediction was never trained and guidance extrapolates from it; use --cfg-scale 1", scale)
+    return scale
 
 
 def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, use_ema: bool = True
