@@ -17,6 +17,7 @@ from difftrain.data.shapes import ShapesWorld
 from difftrain.data.shapes_eval import score_t2i
 from difftrain.evaluate import EVAL_KEYS, evaluate
 from difftrain.images import caption_grid
+from difftrain.inference import guidance_scale
 from difftrain.progress import run_training
 from difftrain.train.trainer import Trainer
 
@@ -54,6 +55,7 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
     log.info("shapes world: %dx%d images, %d frames per sequence; ground-truth evaluator accuracy %.3f; "
              "preview in %s", cfg.data.image_size, cfg.data.image_size, cfg.data.frames, gt_acc, out / "world.png")
 
+    cfg_scale = guidance_scale(cfg, None)           # warned about before training, not after
     trainer = Trainer(cfg, run_dir)
     log.info("model: %.2fM parameters; training for up to %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6,
              f"{cfg.train.minutes} min" if cfg.train.minutes else f"{cfg.train.steps} steps")
@@ -65,7 +67,7 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
     with trainer.ema.applied(trainer.model) if trainer.ema else contextlib.nullcontext():
         trainer.model.eval()
         metrics, gens = evaluate(pipe, world_from_config(cfg.data, cfg.eval.seed), cfg.eval.n, cfg.sample.steps,
-                                 cfg.sample.cfg_scale, cfg.sample.seed, cfg.eval.keyframe_given)
+                                 cfg_scale, cfg.sample.seed, cfg.eval.keyframe_given)
     eval_seconds = time.perf_counter() - t_eval
     by_task: dict[str, list] = {}
     for g in gens:

@@ -19,6 +19,7 @@ import math
 import os
 import resource
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,8 +90,8 @@ class StepClock:
     recent ones count, so a slow start (another process, a cold page cache) does not shorten the run."""
 
     def __init__(self, every: int = 60, window: int = 6, skip: int = 5):
-        self.every, self.window, self.skip = every, window, skip
-        self.marks: list[tuple[int, float]] = []
+        self.every, self.skip = every, skip
+        self.marks: deque[tuple[int, float]] = deque(maxlen=window + 1)   # (step, seconds) at each interval's end
 
     def observe(self, step: int, seconds: float) -> tuple[int, float] | None:
         if not self.marks:
@@ -100,8 +101,8 @@ class StepClock:
         if step - self.marks[-1][0] < self.every:
             return None
         self.marks.append((step, seconds))
-        first = self.marks[max(0, len(self.marks) - 1 - self.window)]
-        return step - first[0], seconds - first[1]
+        return step - self.marks[0][0], seconds - self.marks[0][1]
+
 
 # Config keys a resumed run may change without --allow-config-change: how the job runs, not what it computes.
 ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes", "train.log_every",
@@ -593,10 +594,6 @@ class Trainer:
             busy += (t2 - t0) - stats.wait_s
             self._spike(stats, batches, step_number)
             if not self.budget_fixed:
-                # Measure speed over enough steps to average the task mixture (keyframe batches cost
-                # several times a t2i batch), skipping the first steps (allocator warm-up, compilation),
-                # and over the recent steps only, so a slow start (another process, a cold page cache)
-                # does not shorten the whole run.
                 measured = clock.observe(self.step, self.train_seconds)
                 if measured is not None:
                     self._fix_budget(*measured)
