@@ -26,8 +26,9 @@ def guidance_scale(cfg: Config, requested: float | None) -> float:
     other than 1 is warned about (it extrapolates from an untrained prediction)."""
     scale = cfg.sample.cfg_scale if requested is None else float(requested)
     if scale != 1.0 and cfg.data.caption_dropout == 0.0:
-        log.warning("cfg scale %g: this model was trained with data.caption_dropout = 0, so its unconditional "
-                    "prediction was never trained and guidance extrapolates from it; use --cfg-scale 1", scale)
+        log.warning("cfg scale %g with data.caption_dropout = 0: the model's unconditional prediction is not "
+                    "trained, so guidance extrapolates from an untrained prediction; sample with a cfg scale of 1",
+                    scale)
     return scale
 
 
