@@ -8,6 +8,7 @@ which is faster and is what the state-dict adapter (``flux_adapter.py``) concate
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,16 +94,30 @@ def _split_heads(qkv_BLx: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
     return q, k, v
 
 
+class ModulationOut(NamedTuple):
+    """One adaLN modulation: ``modulate`` a sub-layer's input, ``gate`` its output into the residual."""
+    shift: Tensor      # (B, dim)
+    scale: Tensor
+    gate: Tensor
+
+    def modulate(self, x_BLD: Tensor) -> Tensor:
+        return _modulate(x_BLD, self.shift, self.scale)
+
+    def gated(self, residual_BLD: Tensor, out_BLD: Tensor) -> Tensor:
+        return residual_BLD + self.gate[:, None] * out_BLD
+
+
 class Modulation(nn.Module):
-    """adaLN: vec -> n x (shift, scale, gate) chunks, each (B, dim)."""
+    """adaLN: vec -> n modulations (attention's, then the MLP's in a double block)."""
 
     def __init__(self, dim: int, n: int):
         super().__init__()
         self.n = n
         self.lin = nn.Linear(dim, 3 * n * dim)
 
-    def forward(self, vec_BD: Tensor) -> tuple[Tensor, ...]:
-        return self.lin(F.silu(vec_BD)).chunk(3 * self.n, dim=-1)
+    def forward(self, vec_BD: Tensor) -> tuple[ModulationOut, ...]:
+        chunks = self.lin(F.silu(vec_BD)).chunk(3 * self.n, dim=-1)
+        return tuple(ModulationOut(*chunks[3 * i:3 * i + 3]) for i in range(self.n))
 
 
 class SelfAttentionParams(nn.Module):
@@ -139,17 +154,17 @@ class DoubleStreamBlock(nn.Module):
 
     def forward(self, img: Tensor, txt: Tensor, vec: Tensor, rope: tuple[Tensor, Tensor],
                 mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
-        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
-        iq, ik, iv = self.img_attn.qkv_heads(_modulate(img, i_shift1, i_scale1))
-        tq, tk, tv = self.txt_attn.qkv_heads(_modulate(txt, t_shift1, t_scale1))
+        img_mod1, img_mod2 = self.img_mod(vec)
+        txt_mod1, txt_mod2 = self.txt_mod(vec)
+        iq, ik, iv = self.img_attn.qkv_heads(img_mod1.modulate(img))
+        tq, tk, tv = self.txt_attn.qkv_heads(txt_mod1.modulate(txt))
         # Joint attention over [text; image], the order of the position ids.
         attn = self.attention(torch.cat((tq, iq), 2), torch.cat((tk, ik), 2), torch.cat((tv, iv), 2), rope, mask)
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
-        img = img + i_gate1[:, None] * self.img_attn.proj(img_attn)
-        img = img + i_gate2[:, None] * self.img_mlp(_modulate(img, i_shift2, i_scale2))
-        txt = txt + t_gate1[:, None] * self.txt_attn.proj(txt_attn)
-        txt = txt + t_gate2[:, None] * self.txt_mlp(_modulate(txt, t_shift2, t_scale2))
+        img = img_mod1.gated(img, self.img_attn.proj(img_attn))
+        img = img_mod2.gated(img, self.img_mlp(img_mod2.modulate(img)))
+        txt = txt_mod1.gated(txt, self.txt_attn.proj(txt_attn))
+        txt = txt_mod2.gated(txt, self.txt_mlp(txt_mod2.modulate(txt)))
         return img, txt
 
 
@@ -167,12 +182,12 @@ class SingleStreamBlock(nn.Module):
         self.attention = Attention()
 
     def forward(self, x: Tensor, vec: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
-        shift, scale, gate = self.modulation(vec)
-        qkv, mlp = self.linear1(_modulate(x, shift, scale)).split([3 * self.dim, self.mlp_hidden], dim=-1)
+        (mod,) = self.modulation(vec)
+        qkv, mlp = self.linear1(mod.modulate(x)).split([3 * self.dim, self.mlp_hidden], dim=-1)
         q, k, v = _split_heads(qkv, self.heads)
         q, k = self.norm(q, k)
         out = self.linear2(torch.cat((self.attention(q, k, v, rope, mask), F.gelu(mlp, approximate="tanh")), dim=-1))
-        return x + gate[:, None] * out
+        return mod.gated(x, out)
 
 
 class LastLayer(nn.Module):
