@@ -17,14 +17,15 @@ FIXTURE = Path(__file__).parent / "fixtures" / "ckpt_v0"
 
 
 def test_checkpoint_written_before_the_redesign_resumes_to_the_same_numbers(tiny_cfg, tmp_path):
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
+    from difftrain.train.objectives import FlowMatching
 
     run = tmp_path / "run"
     shutil.copytree(FIXTURE, run / "checkpoints", ignore=shutil.ignore_patterns("*output*", "expected.json"))
     index = json.loads((FIXTURE / "step_00000002" / "model.safetensors.index.json").read_text())
     cfg = tiny_cfg("train.steps=3", "train.checkpoint_every=0", "train.async_checkpoint=false", "run.seed=3")
-    tr = Trainer(cfg, run, allow_config_change=("train.steps",))
-    assert isinstance(tr, Trainer) and tr.step == 2
+    tr = build_trainer(cfg, run, allow_config_change=("train.steps",))
+    assert isinstance(tr.objective, FlowMatching) and tr.step == 2
     saved_model_keys = {k[len("model."):] for k in index["weight_map"] if k.startswith("model.")}
     assert saved_model_keys == set(tr.model.state_dict())
 

@@ -43,9 +43,9 @@ def _run(cfg, run_dir, steps_for_grads=1):
     """Train ``cfg`` in this process (distributed if a process group is up); returns per-step losses, the
     step-1 gradients, the initial parameters and the number of reduce-scatters per step (full tensors)."""
     from difftrain.parallel.dist import init_distributed
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
-    tr = Trainer(cfg, run_dir, env=init_distributed(cfg))
+    tr = build_trainer(cfg, run_dir, env=init_distributed(cfg))
     params = dict(tr.model.named_parameters())      # the sharded parameters, as the optimizer holds them
     init = {k: _full(p.detach()).clone() for k, p in params.items()}
     grads, reductions = {}, []

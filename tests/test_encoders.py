@@ -277,12 +277,12 @@ def test_training_and_sampling_with_frozen_hf_encoders_and_vae(tiny, tiny_vae, t
     """The real-component path end to end: T5 + CLIP text, AutoencoderKL latents, a few steps, a
     checkpoint, then sampling from it. The frozen parts must stay untouched and out of the checkpoint."""
     from difftrain.inference import load_pipeline, request_batch
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
     cfg = tiny_cfg("text.kind=hf", f"text.t5_path={tiny['t5']}", f"text.clip_path={tiny['clip']}",
                    "text.max_tokens=96", "autoencoder.kind=diffusers", f"autoencoder.path={tiny_vae[1]}",
                    "train.steps=3", "train.checkpoint_every=0")
-    tr = Trainer(cfg, tmp_path / "run")
+    tr = build_trainer(cfg, tmp_path / "run")
     assert set(tr.model.keys()) == {"dit"}
     assert tr.dit.params.in_channels == 16 and tr.dit.params.text_dim == 32 and tr.dit.params.pooled_dim == 32
     frozen = {k: v.clone() for k, v in tr.text_encoder.state_dict().items()}

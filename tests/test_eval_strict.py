@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import difftrain.evaluate as evaluate_mod
-from difftrain.data.shapes import (
+from difftrain.shapes.world import (
     COLORS, HELDOUT_TRIPLES, POSITIONS, SHAPES, SIZE_EXTENT, ShapeSpec, ShapesWorld, coverage, is_heldout,
     sample_shape,
 )
-from difftrain.data.shapes_eval import read_image, score_edit, score_keyframes, score_t2i
+from difftrain.shapes.evaluate import read_image, score_edit, score_keyframes, score_t2i
 from difftrain.evaluate import EVAL_KEYS, evaluate, generate_task
 
 CELLS = tuple(POSITIONS.values())

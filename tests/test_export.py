@@ -27,7 +27,7 @@ from difftrain.parallel.pretrained import load_pretrained
 from difftrain.tokens import image_ids
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.ema import EMA
-from difftrain.train.trainer import Trainer
+from difftrain.train import build_trainer
 
 from conftest import TINY, run_diffusers_flux, run_ours_flux
 
@@ -39,7 +39,7 @@ RUN = TINY + ["train.steps=3", "train.checkpoint_every=0", "train.ema_decay=0.9"
 def trained(tmp_path_factory):
     """A real run: the Trainer (its in-memory EMA and parameters) and its run directory (checkpoint, export)."""
     run = tmp_path_factory.mktemp("export") / "run"
-    tr = Trainer(load_config(None, RUN), run)
+    tr = build_trainer(load_config(None, RUN), run)
     tr.fit()
     tr.close()
     return tr, run

@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from difftrain.data.batch import frames_of
-from difftrain.data.shapes import ShapesWorld
-from difftrain.data.shapes_loader import IndexStream, ShapesLoader, make_batch
+from difftrain.shapes.world import ShapesWorld
+from difftrain.shapes.loader import IndexStream, ShapesLoader, make_batch
 from difftrain.models.autoencoder import PixelUnshuffleAE
 from difftrain.models.text import WordTextEncoder
-from difftrain.data.shapes import vocabulary
+from difftrain.shapes.captions import vocabulary
 
 WORLD = ShapesWorld(seed=3, size=32, frames=3)
 AE = PixelUnshuffleAE(4)

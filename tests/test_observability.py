@@ -50,9 +50,9 @@ def test_port_in_use_is_a_clear_error(tmp_path):
 
 
 def test_training_writes_per_rank_json_logs_events_and_the_step_breakdown(tiny_cfg, tmp_path):
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
-    tr = Trainer(tiny_cfg("train.steps=4", "train.checkpoint_every=2"), tmp_path / "run")
+    tr = build_trainer(tiny_cfg("train.steps=4", "train.checkpoint_every=2"), tmp_path / "run")
     try:
         tr.fit()
     finally:

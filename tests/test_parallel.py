@@ -151,16 +151,16 @@ def test_compilation_happens_once_per_distinct_shape():
 
 
 def test_init_from_an_export_through_the_trainer(tiny_cfg, tmp_path):
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
-    Trainer(tiny_cfg("train.steps=3", "train.ema_decay=0"), tmp_path / "a").fit()
+    build_trainer(tiny_cfg("train.steps=3", "train.ema_decay=0"), tmp_path / "a").fit()
     from safetensors.torch import load_file
     exported = load_file(str(tmp_path / "a" / "export" / "model.safetensors"))
-    tr = Trainer(tiny_cfg("train.steps=3", f"model.init_from={tmp_path / 'a' / 'export'}"), tmp_path / "b")
+    tr = build_trainer(tiny_cfg("train.steps=3", f"model.init_from={tmp_path / 'a' / 'export'}"), tmp_path / "b")
     for name, p in tr.dit.named_parameters():
         assert torch.equal(p.detach(), exported[f"dit.{name}"]), name
     with pytest.raises(UserError, match="double_blocks|num_layers|shape"):
-        Trainer(tiny_cfg("train.steps=3", "model.double_blocks=2", f"model.init_from={tmp_path / 'a' / 'export'}"),
+        build_trainer(tiny_cfg("train.steps=3", "model.double_blocks=2", f"model.init_from={tmp_path / 'a' / 'export'}"),
                 tmp_path / "c")
 
 
@@ -177,7 +177,7 @@ def _reseal(ck):
 def test_sample_shift_is_read(tiny_cfg, tmp_path, capsys, monkeypatch):
     import difftrain.diffusion.pipeline as pipeline
     from difftrain.diffusion.flow import flux_mu
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
     used = []
     real = pipeline.euler_sample
@@ -187,7 +187,7 @@ def test_sample_shift_is_read(tiny_cfg, tmp_path, capsys, monkeypatch):
         return real(velocity, x, mask, steps, shift, generator)
 
     monkeypatch.setattr(pipeline, "euler_sample", spy)
-    Trainer(tiny_cfg("train.steps=2", "train.checkpoint_every=0"), tmp_path / "run").fit()
+    build_trainer(tiny_cfg("train.steps=2", "train.checkpoint_every=0"), tmp_path / "run").fit()
     ck = next((tmp_path / "run" / "checkpoints").glob("step_*"))
     info = json.loads((ck / "trainer.json").read_text())
     for shift in ("none", "fixed", "resolution"):

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from difftrain.config import from_dict, load_config
 from difftrain.errors import UserError
 from difftrain.parallel.planner import Assumptions, Strategy, block_activation_bytes, estimate_single_gpu, plan
+from difftrain.shapes import vocabulary
 
 
 def _preset(name: str) -> Path:
@@ -191,14 +192,14 @@ def _trainer_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from difftrain.parallel.dist import init_distributed, shutdown
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
     env, results = None, {}
     try:
         for case in CASES:
             cfg = _measured_cfg(case)
             env = env or init_distributed(cfg)
-            trainer = Trainer(cfg, Path(out) / case, env=env)
+            trainer = build_trainer(cfg, Path(out) / case, env=env)
             trainer.train_step(next(trainer.loader))
             batches = next(trainer.loader)
             tracker = FSDPMemTracker(trainer.dit, trainer.optimizer)
@@ -208,14 +209,14 @@ def _trainer_worker(rank: int, world: int, port: int, out: str) -> None:
             tracker.track_inputs((*[t for b in batches for t in (b.x0_BLC, b.ids_BL3, b.loss_mask_BL,
                                                                  *b.tokens.values())],
                                   *local, *trainer.model["text"].parameters()))
-            held, forward_loss = [], trainer._forward_loss
+            held, forward_loss = [], trainer.objective.loss
 
             def micro_batch(*args, forward_loss=forward_loss, held=held, tracker=tracker, trainer=trainer):
                 held.append(_held_unsharded_grads(trainer.fsdp_units))
                 tracker.reset_mod_stats()       # else the tracker refuses the root's second forward in a step
                 return forward_loss(*args)
 
-            trainer._forward_loss = micro_batch
+            trainer.objective.loss = micro_batch     # every micro-batch of the step passes through here
             with tracker:
                 trainer.train_step(batches)
             peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
@@ -248,17 +249,18 @@ def _compare(case: str, b: dict, measured: dict) -> str:
 @pytest.mark.parametrize("case", ["none", "full", "last", "every"])
 def test_total_matches_measured_peak_of_a_2_rank_training_step(measured, case):
     assert measured[case]["accum"] == (1 if case in ("none", "full") else 2)
-    b = plan(_measured_cfg(case), 2, 64, device="cpu").configured.per_gpu_bytes   # fsdp(2), as the config says
+    # fsdp(2), as the config says
+    b = plan(_measured_cfg(case), 2, 64, device="cpu", vocabulary=vocabulary()).configured.per_gpu_bytes
     assert b["grad_accum"] == measured[case]["accum"]
     assert 2 * (b["params"] + b["grads"] + b["optimizer"]) >= 200e6   # params + grads + AdamW, both ranks
     _compare(case, b, measured)
 
 
 def test_grad_sync_last_holds_the_whole_dit_unsharded_in_fp32(measured):
-    from difftrain.data import vocabulary_for
+    from difftrain.sources import vocabulary_for
     from difftrain.models import build_text_encoder, num_params
 
-    p = {case: plan(_measured_cfg(case), 2, 64, device="cpu") for case in ("last", "every")}
+    p = {case: plan(_measured_cfg(case), 2, 64, device="cpu", vocabulary=vocabulary()) for case in ("last", "every")}
     b = {case: q.configured.per_gpu_bytes for case, q in p.items()}
     n_dit, n_text = p["last"].context["model_params"], p["last"].context["text_encoder_params"]
     assert n_text == num_params(build_text_encoder(_measured_cfg("last"), vocabulary_for(_measured_cfg("last"))))
@@ -272,7 +274,8 @@ def test_grad_sync_last_holds_the_whole_dit_unsharded_in_fp32(measured):
     assert measured["last"]["peak"]["Total"] > measured["every"]["peak"]["Total"]
     assert b["last"]["total"] > b["every"]["total"]
     # bf16 mixed precision (CUDA's semantics; CPU autocast keeps layer_norm in bf16, the composite rms_norm)
-    bf16 = plan(_measured_cfg("last-bf16"), 2, 64, assumptions=Assumptions(rms_norm_fused=False)).configured
+    bf16 = plan(_measured_cfg("last-bf16"), 2, 64, assumptions=Assumptions(rms_norm_fused=False),
+               vocabulary=vocabulary()).configured
     assert bf16.grad_sync == "last" and bf16.per_gpu_bytes["accum_grads"] == 4 * n_dit
     _compare("last-bf16", bf16.per_gpu_bytes, measured)
 

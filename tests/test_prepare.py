@@ -17,7 +17,7 @@ from difftrain.config import load_config, preset_path
 from difftrain.data import store as st
 from difftrain.data.curate import read_record
 from difftrain.data.prepare import prepare, resize_cover_crop
-from difftrain.data.shapes_export import export_shapes
+from difftrain.shapes.export import export_shapes
 from difftrain.errors import UserError
 
 from conftest import TINY
@@ -163,13 +163,13 @@ def test_error_rate_stops_before_writing(ray_local, export, tmp_path):
 
 
 def test_train_from_the_store_through_the_curriculum_then_eval(prepared, tmp_path):
-    from difftrain.data.shapes import ShapesWorld
+    from difftrain.shapes.world import ShapesWorld
     from difftrain.evaluate import evaluate
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
     cfg, _ = prepared
     cfg.train.steps, cfg.train.checkpoint_every, cfg.train.log_every = 10, 0, 1
-    trainer = Trainer(cfg, tmp_path / "run")
+    trainer = build_trainer(cfg, tmp_path / "run")
     trainer.fit(lambda step, total, stats: None)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     seqs = [(r["step"], r["seq"][0]) for r in rows if "seq" in r]
@@ -225,7 +225,7 @@ def test_frozen_text_encoders_store_embeddings_the_trainer_reads(ray_local, expo
     running the encoders."""
     from difftrain.data.store_loader import StoreLoader
     from difftrain.models import build_text_encoder
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
     store = tmp_path / "hf"
     one_stage = '[{name = "s", start_step = 0, buckets = [[32, 32], [32, 48], [48, 32]], global_batch = 4}]'
@@ -253,7 +253,7 @@ def test_frozen_text_encoders_store_embeddings_the_trainer_reads(ray_local, expo
     assert batch.text is not None and batch.tokens == {}
     assert batch.text.txt_BTD.shape[:2] == batch.text.mask_BT.shape
     loader.close()
-    trainer = Trainer(cfg, tmp_path / "run")
+    trainer = build_trainer(cfg, tmp_path / "run")
     calls = []
     original = trainer.text_encoder.forward
     trainer.text_encoder.forward = lambda *a, **k: calls.append(1) or original(*a, **k)

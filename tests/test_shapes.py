@@ -1,4 +1,4 @@
-"""Tests for the shapes world generator (difftrain.data.shapes) and its reader (shapes_eval)."""
+"""Tests for the shapes world generator (difftrain.shapes.world) and its reader (difftrain.shapes.evaluate)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from difftrain.data.shapes import (
+from difftrain.shapes.world import (
     BG_RANGE, COLORS, POSITIONS, SIZE_EXTENT, EditSpec, MotionSpec, ShapeSpec, ShapesWorld, cell_center,
-    edit_from_instruction, max_jitter, parse_caption, parse_instruction, parse_instruction_kind, parse_motion,
-    render, render_at, render_frames, sample_edit, sample_motion, sample_shape, vocabulary,
+    max_jitter, render, render_at, render_frames, sample_edit, sample_motion, sample_shape,
 )
-from difftrain.data.shapes_eval import accuracy, read_image, score_edit, score_keyframes, score_t2i
+from difftrain.shapes.captions import (
+    edit_from_instruction, parse_caption, parse_instruction, parse_instruction_kind, parse_motion, vocabulary,
+)
+from difftrain.shapes.evaluate import accuracy, read_image, score_edit, score_keyframes, score_t2i
 
 ATTRIBUTES = ("color", "position", "shape", "size")
 

@@ -14,7 +14,7 @@ import torch
 
 from difftrain.config.load import from_dict
 from difftrain.data import store as st
-from difftrain.data.curriculum import parse_stages
+from difftrain.config.stages import parse_stages
 from difftrain.data.store_loader import StoreLoader
 from difftrain.errors import UserError
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from difftrain.data.shapes import vocabulary
+from difftrain.shapes.captions import vocabulary
 from difftrain.models.text import PromptTooLong, WordTextEncoder, batch_tokens, pad_tokens
 
 

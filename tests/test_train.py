@@ -3,13 +3,13 @@ import json
 import pytest
 import torch
 
-from difftrain.data import world_from_config
+from difftrain.shapes import world_from_config
 
 from difftrain.cli import main
-from difftrain.data.shapes_loader import make_batch
+from difftrain.shapes.loader import make_batch
 from difftrain.diffusion.flow import flow_loss, noisy_input, sample_t, to_velocity
 from difftrain.train.metrics import read_metrics
-from difftrain.train.trainer import Trainer
+from difftrain.train import build_trainer
 
 
 def _fixed_loss(tr, batch, t, eps):
@@ -24,7 +24,7 @@ def test_loss_on_a_fixed_shapes_batch_falls_by_half_in_200_steps(tiny_cfg, tmp_p
     cfg = tiny_cfg("train.steps=200", "train.ema_decay=0", "train.lr=2e-3", "diffusion.prediction=v",
                    "data.caption_dropout=0", "model.hidden=128", "model.heads=4",
                    "model.axes_dims_rope=[8, 12, 12]")
-    tr = Trainer(cfg, tmp_path / "run")
+    tr = build_trainer(cfg, tmp_path / "run")
     batch = make_batch(world_from_config(cfg.data, cfg.run.seed), tr.autoencoder, tr.text_encoder.tokenize, "t2i", list(range(8)))
     gen = torch.Generator().manual_seed(0)
     t = sample_t(8, tr.flow, 16, gen)
@@ -39,7 +39,7 @@ def test_loss_on_a_fixed_shapes_batch_falls_by_half_in_200_steps(tiny_cfg, tmp_p
 
 def test_rerun_resumes_and_continues_the_same_sample_stream(tiny_cfg, tmp_path):
     cfg = tiny_cfg("train.steps=10", "train.checkpoint_every=4")
-    Trainer(cfg, tmp_path / "a").fit()
+    build_trainer(cfg, tmp_path / "a").fit()
     straight = [m["loss"] for m in read_metrics(tmp_path / "a")]
 
     class Crash(Exception):
@@ -49,8 +49,8 @@ def test_rerun_resumes_and_continues_the_same_sample_stream(tiny_cfg, tmp_path):
         if step == 7:
             raise Crash
     with pytest.raises(Crash):
-        Trainer(cfg, tmp_path / "b").fit(crash_at_7)
-    resumed = Trainer(cfg, tmp_path / "b")
+        build_trainer(cfg, tmp_path / "b").fit(crash_at_7)
+    resumed = build_trainer(cfg, tmp_path / "b")
     assert resumed.step == 4                      # the newest complete checkpoint
     resumed.fit()
     losses = {}
@@ -108,17 +108,17 @@ def test_time_budget_sets_the_step_count_and_the_schedule(tiny_cfg, tmp_path):
     # not asserted here: the demo's figures show it.)
     cfg = tiny_cfg("train.steps=100000", "train.minutes=0.0667", "train.log_every=1000",
                    "train.checkpoint_every=0")
-    tr = Trainer(cfg, tmp_path / "run")
+    tr = build_trainer(cfg, tmp_path / "run")
     summary = tr.fit()
     assert 65 < summary["steps"] < 100000
-    assert tr.step == tr.total_steps and tr.budget_fixed
+    assert tr.step == tr.total_steps and tr.budget.fixed
     last = read_metrics(tmp_path / "run")[-1]
     assert last["step"] == summary["steps"] and last["lr"] == pytest.approx(cfg.train.lr * cfg.train.min_lr_ratio,
                                                                             rel=1e-2)
 
 
 def test_step_clock_measures_recent_steps_so_a_slow_start_does_not_shorten_the_run():
-    from difftrain.train.trainer import StepClock
+    from difftrain.train.budget import StepClock
     clock, seconds, seen = StepClock(every=60, window=6, skip=5), 0.0, []
     for step in range(1, 60 * 10 + 1):
         seconds += 1.0 if step <= 65 else 0.1           # the first 60 measured steps are 10x slower

@@ -172,9 +172,11 @@ def cmd_config(args) -> int:
 def cmd_plan(args) -> int:
     from difftrain.config import load_config
     from difftrain.parallel.planner import plan
+    from difftrain.sources import vocabulary_for
 
     cfg = load_config(resolve_config(args.config), args.overrides)
-    result = plan(cfg, args.gpus, args.gpu_mem, args.nodes)
+    vocabulary = vocabulary_for(cfg) if cfg.text.kind == "words" else None
+    result = plan(cfg, args.gpus, args.gpu_mem, args.nodes, vocabulary=vocabulary)
     print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
     result.require_fit()      # nothing fits: the table is printed, then one error line and exit 2
     return 0
@@ -186,7 +188,7 @@ def cmd_train(args) -> int:
     from difftrain.config import load_config
     from difftrain.parallel.dist import init_distributed, shutdown
     from difftrain.progress import run_training
-    from difftrain.train.trainer import Trainer
+    from difftrain.train import build_trainer
 
     overrides = list(args.overrides)
     if args.metrics_port is not None:
@@ -198,8 +200,8 @@ def cmd_train(args) -> int:
         if not env.is_main:       # one voice on the console: rank 0's (every rank keeps its own JSON log)
             for h in logging.getLogger().handlers:
                 h.setLevel(logging.WARNING)
-        trainer = Trainer(cfg, args.run_dir, env=env, resume=not args.no_resume,
-                          allow_config_change=tuple(args.allow_config_change))
+        trainer = build_trainer(cfg, args.run_dir, env=env, resume=not args.no_resume,
+                                allow_config_change=tuple(args.allow_config_change))
         if env.is_main:
             summary = run_training(cfg, args.run_dir, progress=not args.no_progress, trainer=trainer)
             print(json.dumps(summary))
@@ -263,7 +265,7 @@ def cmd_sample(args) -> int:
 def cmd_eval(args) -> int:
     _check_positive("--n", args.n)
     _check_positive("--steps", args.steps)
-    from difftrain.data import world_from_config
+    from difftrain.shapes import world_from_config
     from difftrain.evaluate import EVAL_KEYS, evaluate
     from difftrain.images import caption_grid
     from difftrain.inference import guidance_scale, load_pipeline
@@ -302,7 +304,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_shapes(args) -> int:
-    from difftrain.data.shapes_export import export_shapes
+    from difftrain.shapes.export import export_shapes
 
     kwargs = {"seed": args.seed}
     if args.n is not None:

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from difftrain.config import load_config
-from difftrain.data import world_from_config
-from difftrain.data.shapes import ShapesWorld
-from difftrain.data.shapes_eval import score_t2i
+from difftrain.shapes import world_from_config
+from difftrain.shapes.world import ShapesWorld
+from difftrain.shapes.evaluate import score_t2i
 from difftrain.evaluate import EVAL_KEYS, evaluate
 from difftrain.images import caption_grid
 from difftrain.inference import guidance_scale
 from difftrain.progress import run_training
-from difftrain.train.trainer import Trainer
+from difftrain.train import build_trainer
 
 log = logging.getLogger("difftrain.demo")
 
@@ -56,7 +56,7 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
              "preview in %s", cfg.data.image_size, cfg.data.image_size, cfg.data.frames, gt_acc, out / "world.png")
 
     cfg_scale = guidance_scale(cfg, None)           # warned about before training, not after
-    trainer = Trainer(cfg, run_dir)
+    trainer = build_trainer(cfg, run_dir)
     log.info("model: %.2fM parameters; training for up to %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6,
              f"{cfg.train.minutes} min" if cfg.train.minutes else f"{cfg.train.steps} steps")
     summary = run_training(cfg, run_dir, progress, trainer)

@@ -3,7 +3,7 @@ the shapes evaluator, report accuracies. Used by ``difftrain eval``, ``demo`` an
 
 ``evaluate`` reports every accuracy twice: on prompts of the training split (combinations the model
 has seen, drawn with the evaluation seed) and, under keys prefixed ``heldout_``, on prompts whose
-(colour, shape, cell) combination training never shows (``difftrain.data.shapes.HELDOUT_TRIPLES``).
+(colour, shape, cell) combination training never shows (``difftrain.shapes.world.HELDOUT_TRIPLES``).
 Keyframes are generated both from the caption alone and with the first frame given.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from difftrain.data.shapes import ShapesWorld
-from difftrain.data.shapes_eval import read_image, score_edit, score_keyframes, score_t2i
-from difftrain.data.shapes_loader import make_batch
+from difftrain.shapes.world import ShapesWorld
+from difftrain.shapes.evaluate import read_image, score_edit, score_keyframes, score_t2i
+from difftrain.shapes.loader import make_batch
 from difftrain.diffusion.pipeline import Pipeline
 
 KEYFRAME_MODES = ("none", "first")
@@ -119,3 +119,17 @@ def evaluate(pipe: Pipeline, world: ShapesWorld, n: int, steps: int, cfg_scale: 
         metrics.update({HELDOUT_PREFIX + k: None for k in SPLIT_KEYS})
     metrics["n"] = n
     return metrics, gens
+
+
+def preview_grid(pipe: Pipeline, cfg, path, n: int = 4, write: bool = True):
+    """A grid of ``n`` samples per task of the shapes world a config describes (``eval.seed``), with the
+    config's sampling settings; written as a PNG when ``write`` (rank 0). Every rank calls it under FSDP."""
+    from difftrain.images import caption_grid
+    from difftrain.shapes import world_from_config
+
+    s, world = cfg.sample, world_from_config(cfg.data, cfg.eval.seed)
+    rows = []
+    for task in ("t2i", "edit", "keyframes"):
+        for g in generate_task(pipe, world, task, list(range(n)), s.steps, s.cfg_scale, s.seed, cfg.eval.keyframe_given):
+            rows.append((g.images, g.prompt))
+    return caption_grid(rows, path) if write else path

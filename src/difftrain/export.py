@@ -6,7 +6,7 @@ run -- consolidated to full tensors through DCP's safetensors reader (shapes and
 headers; nothing is unpickled), and writes one of two layouts:
 
 - ``difftrain``: ``OUT/model.safetensors`` (keys ``dit.*``, and ``text.*`` for a trained text encoder, as
-  ``Trainer.export`` writes them; ``model.init_from`` loads it) and ``OUT/config.toml``;
+  ``Trainer.export`` writes them through ``parallel.pretrained.write_weights``; ``model.init_from`` loads it) and ``OUT/config.toml``;
 - ``diffusers``: the DiT alone as a diffusers ``FluxTransformer2DModel``:
   ``OUT/transformer/diffusion_pytorch_model.safetensors`` and ``OUT/transformer/config.json``. Refused when the
   model is not one diffusers can express (absolute position embedding, MLP ratio other than 4, no q/k/v bias,

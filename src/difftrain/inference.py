@@ -9,13 +9,12 @@ import torch
 
 from difftrain.config import Config, from_dict
 from difftrain.data.batch import Batch, assemble
-from difftrain.data.shapes_loader import to_tensor
+from difftrain.shapes.loader import to_tensor
 from difftrain.diffusion.flow import FlowSpec
-from difftrain.diffusion.pipeline import Pipeline
+from difftrain.diffusion.pipeline import Pipeline, amp_dtype, pick_device
 from difftrain.errors import UserError
 from difftrain.models import build_autoencoder, build_model, build_text_encoder
 from difftrain.train.checkpoint import Checkpointer
-from difftrain.train.trainer import amp_dtype, pick_device
 
 log = logging.getLogger("difftrain")
 

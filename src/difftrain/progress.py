@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from difftrain.config import Config
+from difftrain.train import build_trainer
 from difftrain.train.trainer import Trainer
 
 log = logging.getLogger("difftrain")
@@ -18,7 +19,7 @@ log = logging.getLogger("difftrain")
 
 def run_training(cfg: Config, run_dir: str | Path | None = None, progress: bool = True,
                  trainer: Trainer | None = None) -> dict:
-    trainer = trainer or Trainer(cfg, run_dir)
+    trainer = trainer or build_trainer(cfg, run_dir)
     console = Console(stderr=True)
     every = max(1, cfg.train.log_every)
     if progress and console.is_terminal:

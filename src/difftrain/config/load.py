@@ -148,7 +148,7 @@ def validate(cfg: Config, source: str = "config") -> None:
     if d.source == "store" and not d.store:
         raise UserError(f"{source}: data.source = 'store' needs data.store (the path 'difftrain prepare' wrote)")
     if d.stages:
-        from difftrain.data.curriculum import parse_stages
+        from difftrain.config.stages import parse_stages
         parse_stages(cfg, source)        # raises UserError naming the stage and key
 
 

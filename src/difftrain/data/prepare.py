@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from difftrain.data import store as st
-from difftrain.data.curriculum import assign_bucket, parse_stages
+from difftrain.config.stages import parse_stages
+from difftrain.data.curriculum import assign_bucket
 from difftrain.errors import UserError
 
 log = logging.getLogger("difftrain")

@@ -36,7 +36,6 @@ evicted); a table is read from the cache once its copy is complete, from the sha
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -53,7 +52,8 @@ import torch
 
 from difftrain.data import store as st
 from difftrain.data.batch import Batch, assemble_packed
-from difftrain.data.curriculum import Stage, parse_stages, stage_at
+from difftrain.config.stages import Stage, parse_stages
+from difftrain.data.curriculum import stage_at
 from difftrain.errors import UserError
 from difftrain.models.text import TextEmbedding, pad_tokens
 

@@ -23,6 +23,19 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def amp_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on devices with fast bf16 (CUDA); 'auto' stays fp32 on CPUs, where bf16 is emulated."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+
+
 class Pipeline:
     def __init__(self, model: nn.ModuleDict, text_encoder: nn.Module, autoencoder: Autoencoder, flow: FlowSpec,
                  device: torch.device | str = "cpu", amp_dtype: torch.dtype | None = None,

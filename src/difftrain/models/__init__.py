@@ -16,7 +16,7 @@ def build_text_encoder(cfg: Config, vocabulary: list[str] | None = None, device:
     t = cfg.text
     if t.kind == "words":
         if not vocabulary:   # the vocabulary is data: the caller takes it from its data source or checkpoint
-            raise ValueError("text.kind = 'words' needs its word vocabulary (difftrain.data.vocabulary_for(cfg))")
+            raise ValueError("text.kind = 'words' needs its word vocabulary (difftrain.sources.vocabulary_for(cfg))")
         return WordTextEncoder(vocabulary, t.max_tokens, t.dim, t.layers).to(device)
     from difftrain.models.hf_text import HFTextEncoder
     return HFTextEncoder.from_paths(t.t5_path, t.clip_path, t.max_tokens, t.dtype, device=device)

@@ -218,6 +218,15 @@ def set_collective_timeout(env: ParallelEnv, minutes: float) -> None:
         setter(datetime.timedelta(minutes=minutes), group)
 
 
+def broadcast_int(value: int, device: torch.device) -> int:
+    """Rank 0's value on every rank."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(t, 0)
+    return int(t.item())
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum scalars over all ranks in one collective (a no-op in a world of one)."""
     if not dist.is_initialized():

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from difftrain.config.schema import Config
+from difftrain.errors import UserError
 
 T5_XXL_ENCODER_PARAMS = 4_762_310_656    # frozen encoders of the FLUX.1 checkpoints, counted on the meta device
 CLIP_L_TEXT_PARAMS = 123_060_480
@@ -84,7 +85,7 @@ def _shapes(params) -> tuple[tuple[int, int], ...]:
     return tuple((p.shape[0], p.numel() // p.shape[0]) if p.ndim else (1, 1) for p in params)
 
 
-def inventory(p, cfg: Config | None = None) -> Inventory:
+def inventory(p, cfg: Config | None = None, vocabulary: list[str] | None = None) -> Inventory:
     """The FSDP units of the MMDiT for ``DiTParams`` p (built on the meta device), and with ``cfg`` its
     trainable text encoder."""
     from difftrain.models import build_dit
@@ -97,10 +98,11 @@ def inventory(p, cfg: Config | None = None) -> Inventory:
 
     text = [0, 0]
     if cfg is not None and cfg.text.kind == "words":
-        from difftrain.data import vocabulary_for
         from difftrain.models import build_text_encoder
 
-        ps = [q for q in build_text_encoder(cfg, vocabulary_for(cfg), "meta").parameters() if q.requires_grad]
+        if not vocabulary:
+            raise UserError("text.kind = 'words': planning its trained text encoder needs the data's vocabulary")
+        ps = [q for q in build_text_encoder(cfg, vocabulary, "meta").parameters() if q.requires_grad]
         text = [sum(q.numel() for q in ps), len(ps)]
     root = Unit(1, _shapes([q for q in dit.parameters() if id(q) not in in_blocks]))
     return Inventory(D=p.hidden, M=int(p.hidden * p.mlp_ratio), H=p.heads, head_dim=p.head_dim,
@@ -124,7 +126,7 @@ def bucket_shapes(cfg: Config) -> list[tuple[str, int, int, object, int]]:
     the same buckets, global batches and cost-balanced micro-batches the store loader uses ([] without one)."""
     if cfg.data.source != "store":
         return []
-    from difftrain.data.curriculum import parse_stages
+    from difftrain.config.stages import parse_stages
     d = cfg.data
     frames = {"t2i": (1, d.t2i_weight), "edit": (2, d.edit_weight), "keyframes": (d.frames, d.keyframe_weight)}
     out = []

@@ -406,19 +406,20 @@ def _suggest(cx: _Ctx, strategies: list[Strategy]) -> tuple[list[dict], str]:
 
 
 def plan(cfg: Config, gpus: int, gpu_mem_gb: float, nodes: int | None = None, gpus_per_node: int = 8,
-         device: str = "cuda", assumptions: Assumptions | None = None) -> Plan:
+         device: str = "cuda", assumptions: Assumptions | None = None, vocabulary: list[str] | None = None) -> Plan:
     """Evaluate every strategy on ``gpus`` GPUs of ``gpu_mem_gb`` GB each and recommend one.
 
     GB are read as GiB, which is how nvidia-smi shows the spec sheets' figures (an H200's '141 GB' is 140 GiB);
     the usable part subtracts the CUDA context and allocator headroom. ``device="cpu"`` plans an fp32 CPU run
     (no autocast, no bf16 copies; all of ``gpu_mem_gb`` usable). Raises ``UserError`` on impossible inputs;
-    when nothing fits, ``Plan.fits`` is False and ``Plan.message`` says what would."""
+    when nothing fits, ``Plan.fits`` is False and ``Plan.message`` says what would. ``vocabulary``: the data's
+    words, for a config that trains a word text encoder (``difftrain.sources.vocabulary_for``)."""
     nodes, gpn = _check_inputs(gpus, gpu_mem_gb, nodes, gpus_per_node, device)
     a = assumptions or Assumptions()
     from difftrain.models import config_dit_params
 
     dit_params = config_dit_params(cfg)
-    model = inventory(dit_params, cfg)
+    model = inventory(dit_params, cfg, vocabulary)
     usable = gpu_mem_gb * GiB
     if device == "cuda":
         usable = usable * (1 - a.allocator_headroom) - a.cuda_context_bytes

@@ -323,4 +323,24 @@ def load_pretrained(dit: MMDiT, path: str | Path) -> dict:
             "bytes_read": bytes_read, "bytes_total": sum(sizes[k] for k in expected)}
 
 
-__all__ = ["load_pretrained"]
+def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool) -> Path:
+    """A live model's weights as ``OUT/model.safetensors`` (float32) with ``OUT/config.toml``: the layout
+    ``difftrain export`` writes. Sharded tensors are gathered one at a time (a collective: every rank calls
+    this); rank 0 writes."""
+    from safetensors.torch import save_file
+    from difftrain.config import to_toml
+
+    sd = {}
+    for k, v in named.items():
+        v = v.detach()
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if is_main:
+            sd[k] = full.float().cpu().contiguous()
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(sd, str(out / EXPORT_WEIGHTS), metadata={"format": EXPORT_FORMAT})
+        (out / "config.toml").write_text(to_toml(cfg))
+    return out / EXPORT_WEIGHTS
+
+
+__all__ = ["load_pretrained", "write_weights"]

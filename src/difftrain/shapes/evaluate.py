@@ -43,9 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from difftrain.data.shapes import (
-    COLORS, SHAPE_FILL, SHAPES, SIZE_EXTENT, EditSpec, MotionSpec, ShapeSpec, coverage, parse_caption,
+from difftrain.shapes.world import (
+    COLORS, SHAPE_FILL, SHAPES, SIZE_EXTENT, EditSpec, MotionSpec, ShapeSpec, coverage,
 )
+from difftrain.shapes.captions import parse_caption
 
 _PALETTE_NAMES = tuple(COLORS)
 _PALETTE = np.asarray([COLORS[c] for c in _PALETTE_NAMES], dtype=np.float32)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFilter
 
-from difftrain.data.shapes import TASK_IDS, ShapesWorld
+from difftrain.shapes.world import TASK_IDS, ShapesWorld
 
 SOURCE_NAMES = {"t2i": "shapes_t2i", "shards": "shapes_t2i_shards", "edit": "shapes_edit",
                 "keyframes": "shapes_keyframes"}

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from difftrain.data.batch import Batch, assemble
 from difftrain.models.text import pad_tokens
-from difftrain.data.shapes import ShapesWorld
+from difftrain.shapes.world import ShapesWorld
 from difftrain.models.autoencoder import Autoencoder
 
 TASKS = ("t2i", "edit", "keyframes")

@@ -26,6 +26,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger("difftrain.health")
 
 HANG_EXIT_CODE = 86
@@ -182,3 +184,123 @@ def stragglers(times: list[float], factor: float) -> list[int]:
         return []
     med = statistics.median(times)
     return [r for r, t in enumerate(times) if med > 0 and t > factor * med]
+
+
+class StepHealth:
+    """What the loop does about unhealthy steps, on every rank alike (the verdicts come from reduced values):
+
+    - a non-finite loss or gradient skips the update; its step is remembered in ``RUN/skip_steps.json``
+      (not only in checkpoints), so that a replay from an older checkpoint never trains on that batch again;
+      after ``health.rollback_after`` in a row, ``bad_step`` asks for a rollback (LR x ``rollback_lr_factor``);
+    - a loss spike (robust z-score per task: the tasks' loss levels differ more than a spike within one)
+      is logged with the sample ids of the batch, gathered from every rank;
+    - every ``straggler_every`` steps, each rank's busy time (step time less its waits in collectives: the
+      slowest rank waits least) is gathered, and ranks above ``straggler_factor`` x the median reported.
+    """
+
+    def __init__(self, hc, run_dir: Path, is_main: bool, world: int, device, event):
+        self.hc, self.is_main, self.world, self.device, self.event = hc, is_main, world, device, event
+        self.skip_file = Path(run_dir) / "skip_steps.json"
+        self.skip_steps: set[int] = set(self._read_skip_file())
+        self.consecutive_bad = self.skipped_steps = self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.spikes: dict[str, SpikeDetector] | None = {} if hc.spike_z > 0 else None
+        self.straggler_info: dict = {}
+        self.busy = 0.0
+
+    def state_dict(self) -> dict:
+        return {"rollbacks": self.rollbacks, "skipped_steps": self.skipped_steps, "lr_scale": self.lr_scale,
+                "skip_steps": sorted(self.skip_steps)}
+
+    def load_state_dict(self, info: dict) -> None:
+        self.rollbacks = int(info.get("rollbacks", 0))
+        self.skipped_steps = int(info.get("skipped_steps", 0))
+        self.lr_scale = float(info.get("lr_scale", 1.0))
+        self.skip_steps |= {int(x) for x in info.get("skip_steps", [])}
+
+    def _read_skip_file(self) -> list[int]:
+        try:
+            return [int(x) for x in json.loads(self.skip_file.read_text())]
+        except (OSError, ValueError, TypeError):
+            return []
+
+    def good_step(self) -> None:
+        self.consecutive_bad = 0
+
+    def bad_step(self, step: int, loss: float, grad_norm: float) -> bool:
+        """A skipped (non-finite) step, numbered from 1: count it and remember its batch. True when the state
+        must be rolled back to the newest checkpoint; raises when that is not allowed or was done too often."""
+        hc = self.hc
+        self.skipped_steps += 1
+        self.consecutive_bad += 1
+        self.skip_steps.add(step)
+        if self.is_main:
+            tmp = self.skip_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(sorted(self.skip_steps)))
+            os.replace(tmp, self.skip_file)
+        log.warning("step %d skipped: loss %s, grad norm %s (%d in a row, %d in all)", step, loss, grad_norm,
+                    self.consecutive_bad, self.skipped_steps)
+        self.event("skip", step, loss=str(loss), grad_norm=str(grad_norm), consecutive=self.consecutive_bad)
+        if hc.rollback_after == 0:
+            raise FloatingPointError(f"step {step}: loss {loss} / grad norm {grad_norm} is not finite "
+                                     "(health.rollback_after = 0; lower train.lr or raise train.warmup_steps)")
+        if self.consecutive_bad < hc.rollback_after:
+            return False
+        if self.rollbacks >= hc.max_rollbacks:
+            raise FloatingPointError(f"step {step}: {self.consecutive_bad} non-finite steps in a row after "
+                                     f"{self.rollbacks} rollbacks (health.max_rollbacks): lower train.lr")
+        return True
+
+    def no_checkpoint(self, step: int) -> FloatingPointError:
+        return FloatingPointError(f"step {step}: {self.consecutive_bad} non-finite steps in a row and no checkpoint "
+                                  "to roll back to: lower train.lr or raise train.warmup_steps")
+
+    def rolled_back(self, before: dict, step: int, path: Path) -> None:
+        """After the state was loaded from ``path``: keep the skips and counts of the run so far (``before``)."""
+        self.skip_steps |= set(before["skip_steps"])
+        self.rollbacks, self.skipped_steps = before["rollbacks"] + 1, before["skipped_steps"]
+        self.lr_scale *= self.hc.rollback_lr_factor
+        self.consecutive_bad = 0
+        log.warning("rolled back to %s (step %d); batches of steps %s will be skipped; LR x %.3g", path.name, step,
+                    sorted(x for x in self.skip_steps if x >= step), self.lr_scale)
+        self.event("rollback", step, path=str(path), skip_steps=sorted(self.skip_steps), lr_scale=self.lr_scale)
+
+    def spike(self, step: int, loss: float, task: str, sample_ids: list) -> None:
+        if self.spikes is None:
+            return
+        z = self.spikes.setdefault(task, SpikeDetector(self.hc.spike_window, self.hc.spike_z)).update(loss)
+        if z is None:
+            return
+        ids = torch.cat([torch.as_tensor(i, dtype=torch.int64).flatten() for i in sample_ids]).to(self.device)
+        if torch.distributed.is_initialized():
+            n = torch.tensor([ids.numel()], device=self.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+            padded = torch.full((int(n),), -1, dtype=torch.int64, device=self.device)
+            padded[: ids.numel()] = ids
+            out = [torch.empty_like(padded) for _ in range(self.world)]
+            torch.distributed.all_gather(out, padded)
+            ids = torch.cat(out)
+        ids = sorted({int(x) for x in ids.tolist() if x >= 0})
+        log.warning("step %d: loss spike %.4g (robust z %.1f), task %s, %d samples (ids in events.jsonl)", step,
+                    loss, z, task, len(ids))
+        self.event("spike", step, loss=loss, z=round(z, 2), task=task, sample_ids=ids)
+
+    def stragglers(self, step: int, busy_s: float, rank: int) -> None:
+        self.busy += busy_s
+        hc = self.hc
+        if not hc.straggler_every or step % hc.straggler_every:
+            return
+        t = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        t[rank] = self.busy
+        self.busy = 0.0
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(t)
+        times = t.tolist()
+        slow = stragglers(times, hc.straggler_factor)
+        median = sorted(times)[len(times) // 2]
+        if slow:
+            log.warning("step %d: straggler rank(s) %s: busy %s s vs median %.3f s over the last %d steps", step,
+                        slow, [round(times[r], 3) for r in slow], median, hc.straggler_every)
+            self.event("straggler", step, ranks=slow, busy_s=[round(x, 4) for x in times])
+        self.straggler_info = {"stragglers": len(slow),
+                               "busy_max_over_median": round(max(times) / max(1e-9, median), 3)}

@@ -97,6 +97,14 @@ class MetricsLogger:
                 self._tb.close()
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated, or on CPUs the process's peak RSS, in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # kB on Linux
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return read_jsonl(Path(run_dir) / "metrics.jsonl")[0]
 

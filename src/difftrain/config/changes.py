@@ -1,0 +1,34 @@
+"""Which config keys differ between a checkpoint and the run that resumes it, and which may."""
+
+from __future__ import annotations
+
+# Keys a resumed run may change without --allow-config-change: how the job runs, not what it computes.
+ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes", "train.log_every",
+                     "train.sample_every", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_every",
+                     "train.async_checkpoint", "train.metrics_port", "train.threads", "train.compile",
+                     "train.compile_cache", "train.micro_batch", "data.read_threads", "data.prefetch",
+                     "data.cache_dir", "data.cache_gb", "data.max_error_rate", "sample.", "eval.", "health.")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "sources":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, now: dict, allowed: tuple[str, ...] = ()) -> list[str]:
+    """Keys whose value differs between a checkpoint's config and this run's, other than those that may
+    change; each as 'key: saved -> now'."""
+    a, b = _flat(saved), _flat(now)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key) or key.startswith(ALWAYS_CHANGEABLE):
+            continue
+        if any(key == x or key.startswith(x.rstrip(".") + ".") for x in allowed):
+            continue
+        out.append(f"{key}: {a.get(key, '(absent)')!r} -> {b.get(key, '(absent)')!r}")
+    return out

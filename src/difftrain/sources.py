@@ -1,0 +1,65 @@
+"""The data source a config names (``data.source``): the shapes world rendered on the fly, or the latent
+store. It sits above both ``difftrain.shapes`` and ``difftrain.data``, which know nothing of each other; the
+trainer is handed a ``ConfiguredSource`` and never imports either.
+
+A data source is an iterator yielding, per optimizer step, this data rank's micro-batches of the step's
+global batch (a list of ``Batch``), with ``state_dict`` / ``load_state_dict`` (batches consumed by the
+optimizer) and optionally ``close`` and ``errors`` (damaged rows skipped so far).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from difftrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class ConfiguredSource:
+    """What ``data.source`` names, built on demand: the trainer first asks it for the word vocabulary (the text
+    encoder is built from it), then for the source serving its data rank."""
+
+    cfg: object
+
+    @property
+    def per_bucket_batches(self) -> bool:
+        """The store sets global and micro-batches per bucket (its loader checks them); the shapes source
+        takes ``train.global_batch`` and ``train.micro_batch``."""
+        return self.cfg.data.source == "store"
+
+    def vocabulary(self) -> list[str]:
+        """The word vocabulary of the data (for ``text.kind = 'words'``): the shapes world's, or the one
+        ``difftrain prepare`` recorded from the store's captions."""
+        if self.cfg.data.source == "store":
+            from difftrain.data.store import read_manifest
+            manifest = read_manifest(self.cfg.data.store)
+            if manifest is None:
+                raise UserError(f"data.store = {self.cfg.data.store!r}: no store there; run 'difftrain prepare "
+                                "CONFIG' first")
+            return list(manifest.get("vocabulary", []))
+        from difftrain.shapes import vocabulary
+        return vocabulary()
+
+    def build(self, autoencoder, text_encoder, rank: int = 0, num_ranks: int = 1, device="cpu",
+              micro_batch: int = 0, batch_kind: str = "samples"):
+        """The source serving data rank ``rank`` of ``num_ranks``, with the batches an objective asks for."""
+        cfg, d = self.cfg, self.cfg.data
+        if batch_kind != "samples":
+            raise UserError(f"data.source = {d.source!r} serves batches of samples; the objective asks for "
+                            f"{batch_kind!r}")
+        if d.source == "store":
+            from difftrain.data.store_loader import StoreLoader
+            tokenize = None if cfg.text.kind == "hf" else text_encoder.tokenize   # frozen encoders: stored states
+            return StoreLoader(cfg, tokenize, rank, num_ranks, device)
+        from difftrain.shapes import world_from_config
+        from difftrain.shapes.loader import ShapesLoader
+        return ShapesLoader(world_from_config(d, cfg.run.seed), autoencoder, text_encoder.tokenize,
+                            cfg.train.global_batch,
+                            {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight},
+                            d.world_size, d.caption_dropout, d.keyframe_cond_prob, cfg.run.seed,
+                            micro_batch=micro_batch, rank=rank, num_ranks=num_ranks)
+
+
+def vocabulary_for(cfg) -> list[str]:
+    """The word vocabulary of the data a config trains on."""
+    return ConfiguredSource(cfg).vocabulary()

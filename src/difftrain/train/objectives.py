@@ -1,0 +1,124 @@
+"""Training objectives. The trainer is given one; it says which batches it needs, the unit its loss is
+normalised by, one micro-batch's loss contribution and the names of its metrics. The math lives in
+``difftrain.diffusion``; the model call every objective shares (text encoding, context-parallel sharding,
+autocast, the FLOP count) is ``Denoiser``.
+
+The numerics contract (DESIGN.md): every random draw is a function of (seed, step, sample id); a
+micro-batch's loss is its sum divided by the step's *global* count (``count`` summed over micro-batches
+and ranks), so N ranks compute what one rank computes and a replay repeats the same arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.data.batch import Batch
+from difftrain.diffusion.flow import FlowSpec, draw_t_and_noise, flow_loss, loss_weight, noisy_input, to_velocity
+from difftrain.diffusion.pipeline import autocast
+from difftrain.models.text import TextEmbedding
+from difftrain.parallel.cp import shard_sequence
+from difftrain.parallel.flops import step_flops
+
+
+@dataclass
+class MicroLoss:
+    loss: Tensor          # this micro-batch's contribution to the step's loss (already divided by the global count)
+    tokens: int           # real (unpadded) tokens it trained on
+    flops: float          # its training FLOPs
+
+
+class Denoiser:
+    """The trainable model as objectives call it: the DiT on one micro-batch, with its text embedded (stored
+    states of frozen encoders, or the trained word encoder), under autocast, and, with context parallelism,
+    on this rank's 1/cp of every sequence (padding masked out of attention)."""
+
+    def __init__(self, model: nn.ModuleDict, text_encoder: nn.Module, device: torch.device,
+                 amp: torch.dtype | None, cp: int = 1, cp_rank: int = 0):
+        self.dit, self.text_encoder = model["dit"], text_encoder
+        self.device, self.amp, self.cp, self.cp_rank = device, amp, cp, cp_rank
+
+    def on_device(self, batch: Batch) -> Batch:
+        b = batch.to(self.device, non_blocking=True)
+        b.x0_BLC = b.x0_BLC.float()      # the store serves bf16 latents as stored; widened on the device
+        return b
+
+    def embed_text(self, b: Batch) -> TextEmbedding:
+        if b.text is not None:           # embeddings of frozen encoders, read from the latent store
+            return b.text
+        with autocast(self.device, self.amp):
+            return self.text_encoder(b.tokens)
+
+    def local(self, x_BL: Tensor, fill: float | bool = 0) -> Tensor:
+        """This rank's part of a per-image-token tensor (the tensor itself without context parallelism)."""
+        return shard_sequence(x_BL, self.cp, self.cp_rank, fill)
+
+    def __call__(self, b: Batch, xt_BLC: Tensor, t_B: Tensor, emb: TextEmbedding) -> tuple[Tensor, Tensor]:
+        """The DiT's output on noisy tokens ``xt``, and ``xt`` as this rank holds it (``local``)."""
+        B = len(b)
+        # Guidance-distilled models (FLUX.1-dev) are fine-tuned with the embedded guidance at 1.
+        g = torch.ones(B, device=self.device) if self.dit.params.guidance_embed else None
+        txt, txt_mask, img_mask, ids = emb.txt_BTD, None, None, b.ids_BL3
+        if self.cp > 1:
+            ones_t = torch.ones(txt.shape[:2], dtype=torch.bool, device=self.device)
+            ones_i = torch.ones(xt_BLC.shape[:2], dtype=torch.bool, device=self.device)
+            txt, txt_mask = self.local(txt), self.local(ones_t, False)
+            xt_BLC, ids, img_mask = self.local(xt_BLC), self.local(ids), self.local(ones_i, False)
+        with autocast(self.device, self.amp):
+            out = self.dit(xt_BLC, ids, txt, t_B, emb.pooled_BP, g, txt_mask_BT=txt_mask, img_mask_BL=img_mask)
+        return out, xt_BLC
+
+    def cost(self, b: Batch, emb: TextEmbedding) -> tuple[int, float]:
+        """(real tokens, training FLOPs) of one forward/backward pass over the micro-batch."""
+        L = b.x0_BLC.shape[1]
+        txt_real = emb.mask_BT.sum(1).tolist()
+        flops = step_flops(self.dit.params, [(L, int(n)) for n in txt_real])
+        return len(b) * L + int(sum(txt_real)), float(flops)
+
+
+class Objective(Protocol):
+    name: str
+    batch_kind: str        # what the data source must serve ("samples"; a pair objective asks for "pairs")
+
+    def count(self, batch: Batch) -> float:
+        """The unit the step's loss is divided by, in this micro-batch (summed over micro-batches and ranks)."""
+
+    def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float) -> MicroLoss:
+        """One micro-batch's loss contribution, for optimizer step ``step`` (0-based)."""
+
+    def metrics(self, loss: float, task: str) -> dict[str, float]:
+        """The values it logs for a step, by name, from the step's reduced loss."""
+
+
+class FlowMatching:
+    """Rectified flow: x_t = (1 - t) x0 + t eps, the model's output read as a velocity (``diffusion.prediction``),
+    the (optionally t-weighted) squared error against v = eps - x0 summed over target tokens, divided by
+    the step's global target-token count."""
+
+    name = "flow"
+    batch_kind = "samples"
+
+    def __init__(self, spec: FlowSpec):
+        self.spec = spec
+
+    def count(self, batch: Batch) -> float:
+        return float(batch.loss_mask_BL.sum())
+
+    def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float) -> MicroLoss:
+        b = model.on_device(batch)
+        _, H, W = b.grid
+        t, eps = draw_t_and_noise(self.spec, seed, step, b.sample_ids, tuple(b.x0_BLC.shape[1:]),
+                                  (H // 2) * (W // 2), model.device)
+        xt = noisy_input(b.x0_BLC, eps, t, b.loss_mask_BL)
+        emb = model.embed_text(b)
+        out, xt = model(b, xt, t, emb)
+        x0, eps, mask = model.local(b.x0_BLC), model.local(eps), model.local(b.loss_mask_BL, False)
+        v = to_velocity(out.float(), xt, t, self.spec.prediction)
+        loss = flow_loss(v, x0, eps, mask, loss_weight(t, self.spec.loss), normalizer=normalizer)
+        return MicroLoss(loss, *model.cost(b, emb))
+
+    def metrics(self, loss: float, task: str) -> dict[str, float]:
+        return {"loss": loss, f"loss_{task}": loss}
