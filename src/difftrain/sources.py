@@ -27,6 +27,11 @@ class ConfiguredSource:
         takes ``train.global_batch`` and ``train.micro_batch``."""
         return self.cfg.data.source == "store"
 
+    @property
+    def batch_kinds(self) -> tuple[str, ...]:
+        """What its batches hold: samples (a pair objective needs a source of preference pairs)."""
+        return ("samples",)
+
     def vocabulary(self) -> list[str]:
         """The word vocabulary of the data (for ``text.kind = 'words'``): the shapes world's, or the one
         ``difftrain prepare`` recorded from the store's captions."""
@@ -41,12 +46,9 @@ class ConfiguredSource:
         return vocabulary()
 
     def build(self, autoencoder, text_encoder, rank: int = 0, num_ranks: int = 1, device="cpu",
-              micro_batch: int = 0, batch_kind: str = "samples"):
-        """The source serving data rank ``rank`` of ``num_ranks``, with the batches an objective asks for."""
+              micro_batch: int = 0):
+        """The source serving data rank ``rank`` of ``num_ranks``."""
         cfg, d = self.cfg, self.cfg.data
-        if batch_kind != "samples":
-            raise UserError(f"data.source = {d.source!r} serves batches of samples; the objective asks for "
-                            f"{batch_kind!r}")
         if d.source == "store":
             from difftrain.data.store_loader import StoreLoader
             tokenize = None if cfg.text.kind == "hf" else text_encoder.tokenize   # frozen encoders: stored states

@@ -80,6 +80,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, source, objective: Objective, run_dir: str | Path | None = None,
                  env: ParallelEnv | None = None, resume: bool = True, allow_config_change: tuple[str, ...] = ()):
+        if objective.batch_kind not in source.batch_kinds:
+            raise UserError(f"data.source = {cfg.data.source!r} serves batches of "
+                            f"{' or '.join(source.batch_kinds)}; the objective {objective.name!r} needs "
+                            f"{objective.batch_kind!r}")
         self.cfg, self.objective, tc = cfg, objective, cfg.train
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.env = env or init_distributed(cfg)
@@ -111,7 +115,7 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.loader = source.build(self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
-                                   self.device, self.micro_batch, objective.batch_kind)
+                                   self.device, self.micro_batch)
         self.step = self.samples_seen = self.restarts = 0
         self.train_seconds = self.stall_s = 0.0
         self.budget = TimeBudget(tc.steps, tc.minutes, self._mean_over_ranks)
@@ -315,8 +319,8 @@ class Trainer:
             if on_step is not None:
                 on_step(self.step, self.total_steps, stats)
             self._sample()
-            if stats.stop:                            # every rank saw the same flag in the same collective
-                preempted = self.preemption.requested or "a signal on another rank"
+            preempted = self._stop_requested(stats)
+            if preempted is not None:
                 break
             self._checkpoint()
             self._log_step(stats, fetched)
@@ -340,7 +344,8 @@ class Trainer:
         batches = next(self.loader)
         fetched = Fetched(batches, t0, time.perf_counter() - t0)
         if os.environ.get("DIFFTRAIN_SAMPLE_LOG"):
-            faults.record_samples(self.step + 1, [int(i) for b in batches for i in torch.as_tensor(b.sample_ids).flatten()])
+            ids = [int(i) for b in batches for i in torch.as_tensor(b.sample_ids).flatten()]
+            faults.record_samples(self.step + 1, ids)
         if self.step + 1 in self.health.skip_steps:
             log.info("step %d: batch skipped on replay (it gave a non-finite step before)", self.step + 1)
             self.step += 1
@@ -376,6 +381,13 @@ class Trainer:
         self.tokens_seen += stats.tokens
         self.budget.observe(self.step, self.train_seconds)
         self.health.stragglers(self.step, fetched.data_s + fetched.step_s - stats.wait_s, self.env.rank)
+
+    def _stop_requested(self, stats: StepStats) -> str | None:
+        """Why every rank stops after this step (a preemption signal on any rank), or None. All ranks saw the
+        same flag in the step's collective, so they agree on the step."""
+        if not stats.stop:
+            return None
+        return self.preemption.requested or "a signal on another rank"
 
     def _sample(self) -> None:
         every = self.cfg.train.sample_every
