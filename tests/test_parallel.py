@@ -18,7 +18,7 @@ from difftrain.tokens import image_ids
 from difftrain.parallel.ac import apply_ac
 from difftrain.parallel.compile import compile_blocks, compile_count
 from difftrain.parallel.cp import pad_to_multiple, shard_sequence
-from difftrain.parallel.dist import batch_split, pick_backend, resolve_mesh
+from difftrain.parallel.dist import batch_split, check_layout, pick_backend, resolve_mesh
 
 P = DiTParams(in_channels=12, text_dim=8, pooled_dim=6, hidden=32, heads=2, double_blocks=2, single_blocks=2,
               axes_dims_rope=(4, 6, 6))
@@ -38,6 +38,16 @@ def test_mesh_resolution_and_its_errors():
         resolve_mesh(_mesh(3, -1, 1), 8)
     with pytest.raises(UserError, match="both -1"):
         resolve_mesh(_mesh(-1, -1, 1), 8)
+
+
+def test_a_store_run_is_not_refused_for_its_unused_train_global_batch(tiny_cfg):
+    """On 64 ranks a store config whose bucket batches are multiples of 64 runs, whatever train.global_batch
+    (unused: a store run batches per bucket); the shapes source still needs it to divide."""
+    store = tiny_cfg("data.source=store", "data.store=somewhere", "train.global_batch=32", "parallel.dp_shard=-1")
+    assert check_layout(store, 64)["dp_shard"] == 64
+    shapes = tiny_cfg("train.global_batch=32", "parallel.dp_shard=-1")
+    with pytest.raises(UserError, match="global_batch = 32 is not divisible by the data-parallel size 64"):
+        check_layout(shapes, 64)
 
 
 def test_batch_split_derives_accumulation_and_refuses_what_does_not_divide():

@@ -120,16 +120,27 @@ def pick_backend(requested: str, has_cuda: bool) -> str:
     return requested
 
 
+def check_layout(cfg: Config, world: int) -> dict[str, int]:
+    """The mesh sizes for ``world`` processes, after checking that the config can run on them: the mesh, the
+    heads over context parallelism and, for the shapes source, ``train.global_batch`` over the data-parallel
+    size. A store run has a global batch per bucket (``[[data.stages]]``), which its loader checks; its
+    ``train.global_batch`` is not used and not checked."""
+    par = cfg.parallel
+    sizes = resolve_mesh({"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "cp": par.cp}, world)
+    if cfg.model.heads % sizes["cp"]:
+        raise UserError(f"parallel.cp = {sizes['cp']} must divide model.heads = {cfg.model.heads}")
+    if cfg.data.source != "store":
+        batch_split(cfg.train.global_batch, cfg.train.micro_batch, sizes["dp_replicate"] * sizes["dp_shard"])
+    return sizes
+
+
 def init_distributed(cfg: Config) -> ParallelEnv:
     """Read torchrun's environment, check the mesh and batch split, start the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     par = cfg.parallel
-    sizes = resolve_mesh({"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "cp": par.cp}, world)
-    if cfg.model.heads % sizes["cp"]:
-        raise UserError(f"parallel.cp = {sizes['cp']} must divide model.heads = {cfg.model.heads}")
-    batch_split(cfg.train.global_batch, cfg.train.micro_batch, sizes["dp_replicate"] * sizes["dp_shard"])
+    sizes = check_layout(cfg, world)
     has_cuda = torch.cuda.is_available()
     backend = pick_backend(par.backend, has_cuda)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
