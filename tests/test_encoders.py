@@ -293,3 +293,34 @@ def test_training_and_sampling_with_frozen_hf_encoders_and_vae(tiny, tiny_vae, t
     batch = request_batch(pipe, cfg2, ["a small red circle in the top left"])
     imgs = pipe.to_images(pipe.sample(batch, steps=2, cfg_scale=2.0, seed=1))
     assert imgs.shape == (1, 1, 32, 32, 3) and imgs.dtype.name == "uint8"
+
+
+def test_bucket_geometry_and_store_channels_come_from_the_autoencoders_own_config(tiny_vae, tmp_path, tiny_cfg):
+    """Channels and spatial factor of a diffusers autoencoder are read from its config.json (a pipeline
+    folder's vae/ included), as the loaded model sees them; no folder: a clear error where latents are made,
+    FLUX's VAE assumed where a config is only checked or planned."""
+    import shutil
+
+    from difftrain.config.autoencoder import PLANNING_GEOMETRY, autoencoder_geometry
+    from difftrain.config.stages import patch_pixels
+    from difftrain.errors import UserError
+    from difftrain.models.autoencoder import DiffusersAE
+
+    _, vae_path = tiny_vae
+    pipeline = tmp_path / "pipeline"
+    shutil.copytree(vae_path, pipeline / "vae")
+    for path in (vae_path, str(pipeline)):
+        cfg = tiny_cfg("autoencoder.kind=diffusers", f"autoencoder.path={path}")
+        ae = DiffusersAE.from_path(path)
+        assert autoencoder_geometry(cfg.autoencoder) == (ae.latent_channels, ae.factor)
+        assert patch_pixels(cfg, strict=True) == 2 * ae.factor
+    assert (ae.latent_channels, ae.factor) != PLANNING_GEOMETRY      # the old defaults would have been wrong
+    missing = tiny_cfg("autoencoder.kind=diffusers", f"autoencoder.path={tmp_path / 'nowhere'}")
+    with pytest.raises(UserError, match="autoencoder.path = .*nowhere.*no config.json"):
+        autoencoder_geometry(missing.autoencoder)
+    assert autoencoder_geometry(missing.autoencoder, strict=False) == PLANNING_GEOMETRY
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"latent_channels": 4}')
+    with pytest.raises(UserError, match="bad/config.json: not an AutoencoderKL config"):
+        autoencoder_geometry(tiny_cfg("autoencoder.kind=diffusers", f"autoencoder.path={bad}").autoencoder)

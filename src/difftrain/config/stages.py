@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from difftrain.config.autoencoder import autoencoder_geometry
 from difftrain.errors import UserError
 
 _STAGE_KEYS = {"name", "start_step", "buckets", "area", "aspects", "global_batch", "micro_batch", "micro_cost",
@@ -71,10 +72,10 @@ class Stage:
         raise KeyError(f"stage {self.name!r} has no bucket {name!r}; it has {[b.name for b in self.buckets]}")
 
 
-def patch_pixels(cfg) -> int:
-    """Pixels per token side: the autoencoder's spatial factor x the 2x2 patch."""
-    factor = cfg.autoencoder.factor if cfg.autoencoder.kind == "pixel-unshuffle" else 8
-    return factor * 2
+def patch_pixels(cfg, strict: bool = False) -> int:
+    """Pixels per token side: the autoencoder's spatial factor x the 2x2 patch (``strict``: see
+    ``autoencoder_geometry``)."""
+    return autoencoder_geometry(cfg.autoencoder, strict)[1] * 2
 
 
 def _int(value, where: str, lo: int = 0) -> int:
@@ -89,9 +90,10 @@ def _num(value, where: str, lo: float = 0.0) -> float:
     return float(value)
 
 
-def parse_stages(cfg, source: str = "config") -> list[Stage]:
-    """``data.stages`` as checked ``Stage`` objects (a single default stage at data.image_size when empty)."""
-    m = patch_pixels(cfg)
+def parse_stages(cfg, source: str = "config", strict: bool = False) -> list[Stage]:
+    """``data.stages`` as checked ``Stage`` objects (a single default stage at data.image_size when empty).
+    ``strict``: the autoencoder's folder must be there (what encodes or reads latents)."""
+    m = patch_pixels(cfg, strict)
     raw = cfg.data.stages or [{"name": "base", "start_step": 0,
                                "buckets": [[cfg.data.image_size, cfg.data.image_size]]}]
     stages: list[Stage] = []

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from difftrain.data import store as st
+from difftrain.config.autoencoder import autoencoder_geometry
 from difftrain.config.stages import parse_stages
 from difftrain.data.curriculum import assign_bucket
 from difftrain.errors import UserError
@@ -283,7 +284,7 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
     store = cfg.data.store
     if not store and not dry_run:
         raise UserError("data.store is empty: set it to the store's path or URI")
-    stages = parse_stages(cfg)
+    stages = parse_stages(cfg, strict=True)
     samples = list_samples(cfg)
     ray = start_ray(ray_address)
     import ray.data
@@ -325,7 +326,7 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
     # ---- tables and cache keys
     manifest = st.read_manifest(store) or {"format": st.FORMAT, "tables": {}, "vocabulary": []}
     patch = stages[0].buckets[0].patch
-    C = _latent_channels(cfg)
+    C = autoencoder_geometry(cfg.autoencoder)[0]
     tables: dict[str, dict] = {}
     refused = []
     todo: list[dict] = []
@@ -435,16 +436,6 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
                    images_per_s=round(written / max(1e-9, time.perf_counter() - t_enc), 1),
                    write_pids=sorted(write_pids), store=store)
     return summary
-
-
-def _latent_channels(cfg) -> int:
-    ae = cfg.autoencoder
-    if ae.kind == "pixel-unshuffle":
-        return 3 * ae.factor * ae.factor
-    import json as _json
-    from pathlib import Path
-    conf = Path(ae.path) / "config.json"
-    return int(_json.loads(conf.read_text()).get("latent_channels", 16)) if conf.is_file() else 16
 
 
 def _cluster_gpus(ray) -> int:

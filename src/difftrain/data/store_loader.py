@@ -235,7 +235,7 @@ class StoreLoader:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.store = d.store
-        self.stages = parse_stages(cfg)
+        self.stages = parse_stages(cfg, strict=True)
         self.manifest, infos = st.check_store(self.store, cfg, self.stages)
         self.latent_dtype = d.latent_dtype
         self.tables: dict[str, _Table] = {}
