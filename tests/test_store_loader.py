@@ -310,3 +310,29 @@ def test_resume_across_world_sizes_with_gloo_processes(store, tmp_path):
         got += seg["ids"]
         state = seg["state"]
     assert got == reference
+
+
+def test_previews_of_a_store_run_use_its_own_captions_or_a_prompts_file(tmp_path):
+    """Training previews of a store run show its own data's prompts (the store's text-to-image captions), or
+    those of ``sample.prompts``; never the shapes world's unless that is the source."""
+    from difftrain.errors import UserError
+    from difftrain.sources import ConfiguredSource
+
+    store = make_store(tmp_path)
+    cfg = make_cfg(store)
+    prompts = ConfiguredSource(cfg).preview_prompts(6)
+    assert len(prompts) == 6 and all(p.startswith("a red circle number ") for p in prompts)
+    listed = tmp_path / "prompts.txt"
+    listed.write_text("a blue square\n\n  a green triangle  \n")
+    cfg.sample.prompts = str(listed)
+    assert ConfiguredSource(cfg).preview_prompts(6) == ["a blue square", "a green triangle"]
+    listed.write_text("\n \n")
+    with pytest.raises(UserError, match="sample.prompts = .*no prompts"):
+        ConfiguredSource(cfg).preview_prompts(6)
+    cfg.sample.prompts = str(tmp_path / "absent.txt")
+    with pytest.raises(UserError, match="sample.prompts = .*cannot read"):
+        ConfiguredSource(cfg).preview_prompts(6)
+    cfg.sample.prompts = ""
+    empty = make_store(tmp_path / "e", make_cfg(str(tmp_path / "e" / "store")), tasks=("edit",))
+    with pytest.raises(UserError, match="no captions in its text-to-image tables"):
+        ConfiguredSource(make_cfg(empty)).preview_prompts(6)

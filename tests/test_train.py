@@ -49,8 +49,12 @@ def test_rerun_resumes_and_continues_the_same_sample_stream(tiny_cfg, tmp_path):
     def crash_at_7(step, total, stats):
         if step == 7:
             raise Crash
+    crashed = build_trainer(cfg, tmp_path / "b")
     with pytest.raises(Crash):
-        build_trainer(cfg, tmp_path / "b").fit(crash_at_7)
+        crashed.fit(crash_at_7)
+    # The step-4 save is asynchronous; a real crash three steps later finds it sealed, but on a loaded machine
+    # the writer thread of this in-process "crash" may still be running: let it finish, as it would have.
+    crashed.checkpointer.wait()
     resumed = build_trainer(cfg, tmp_path / "b")
     assert resumed.step == 4                      # the newest complete checkpoint
     resumed.fit()
@@ -182,3 +186,14 @@ def test_a_source_refuses_batches_it_cannot_serve(tiny_cfg, tmp_path):
     cfg = tiny_cfg("train.steps=1")
     with pytest.raises(UserError, match="'pairs'"):
         Trainer(cfg, ConfiguredSource(cfg), Pairs(FlowSpec.from_config(cfg.diffusion)), tmp_path / "run")
+
+
+def test_previews_during_training_show_the_prompts_file_when_given(tiny_cfg, tmp_path):
+    listed = tmp_path / "prompts.txt"
+    listed.write_text("a large red circle in the top left\na small blue square in the center\n")
+    cfg = tiny_cfg("train.steps=2", "train.sample_every=2", "train.checkpoint_every=0", f"sample.prompts={listed}")
+    tr = build_trainer(cfg, tmp_path / "run")
+    tr.fit()
+    tr.close()
+    assert tr.preview_prompts == ["a large red circle in the top left", "a small blue square in the center"]
+    assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()

@@ -121,15 +121,22 @@ def evaluate(pipe: Pipeline, world: ShapesWorld, n: int, steps: int, cfg_scale: 
     return metrics, gens
 
 
-def preview_grid(pipe: Pipeline, cfg, path, n: int = 4, write: bool = True):
-    """A grid of ``n`` samples per task of the shapes world a config describes (``eval.seed``), with the
-    config's sampling settings; written as a PNG when ``write`` (rank 0). Every rank calls it under FSDP."""
+def preview_grid(pipe: Pipeline, cfg, path, n: int = 4, write: bool = True, prompts: list[str] | None = None):
+    """A grid of samples with the config's sampling settings: text-to-image at ``data.image_size`` from
+    ``prompts`` when given, else ``n`` per task of the shapes world the config describes (``eval.seed``);
+    written as a PNG when ``write`` (rank 0). Every rank calls it under FSDP."""
     from difftrain.images import caption_grid
     from difftrain.shapes import world_from_config
 
-    s, world = cfg.sample, world_from_config(cfg.data, cfg.eval.seed)
-    rows = []
-    for task in ("t2i", "edit", "keyframes"):
-        for g in generate_task(pipe, world, task, list(range(n)), s.steps, s.cfg_scale, s.seed, cfg.eval.keyframe_given):
-            rows.append((g.images, g.prompt))
+    s, rows = cfg.sample, []
+    if prompts:
+        size = cfg.data.image_size
+        imgs = pipe.to_images(pipe.sample(pipe.blank_batch(prompts, size, size), s.steps, s.cfg_scale, seed=s.seed))
+        rows = [([imgs[b, 0]], p) for b, p in enumerate(prompts)]
+    else:
+        world = world_from_config(cfg.data, cfg.eval.seed)
+        for task in ("t2i", "edit", "keyframes"):
+            for g in generate_task(pipe, world, task, list(range(n)), s.steps, s.cfg_scale, s.seed,
+                                   cfg.eval.keyframe_given):
+                rows.append((g.images, g.prompt))
     return caption_grid(rows, path) if write else path

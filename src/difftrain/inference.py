@@ -62,16 +62,10 @@ def request_batch(pipe: Pipeline, cfg: Config, prompts: list[str], edit_image=No
         raise UserError(f"--frames {frames}: expected a number of keyframes >= 1")
     if frames is not None and edit_image is not None:
         raise UserError("--frames and --edit cannot be combined: a request is one task")
-    ae, size = pipe.autoencoder, cfg.data.image_size
-    B = len(prompts)
-    lat_hw = size // ae.factor
-    C = ae.latent_channels
-    tokens = pipe.text_encoder.tokenize(prompts)
+    ae, size, B = pipe.autoencoder, cfg.data.image_size, len(prompts)
     if edit_image is not None:
         ref = ae.encode(to_tensor(edit_image[None]).to(pipe.device)).expand(B, -1, -1, -1)
         lat = torch.stack((torch.zeros_like(ref), ref), dim=1)
+        tokens = pipe.text_encoder.tokenize(prompts)
         return assemble(lat, [0, 1], torch.tensor([[True, False]] * B), tokens, prompts, "edit")
-    k = frames or 1
-    lat = torch.zeros(B, k, C, lat_hw, lat_hw, device=pipe.device)
-    return assemble(lat, list(range(k)), torch.ones(B, k, dtype=torch.bool), tokens, prompts,
-                    "keyframes" if frames else "t2i")
+    return pipe.blank_batch(prompts, size, size, frames or 1, "keyframes" if frames else "t2i")

@@ -45,6 +45,29 @@ class ConfiguredSource:
         from difftrain.shapes import vocabulary
         return vocabulary()
 
+    def preview_prompts(self, n: int) -> list[str] | None:
+        """Prompts for the training previews: ``sample.prompts`` (a file, one a line), else the run's own data's:
+        None for the shapes source (its previews are the world's tasks), the first ``n`` captions of the
+        store's text-to-image tables for the store."""
+        path = self.cfg.sample.prompts
+        if path:
+            try:
+                lines = [ln.strip() for ln in open(path, encoding="utf-8").read().splitlines()]
+            except (OSError, UnicodeDecodeError) as e:
+                raise UserError(f"sample.prompts = {path!r}: cannot read it ({e})") from None
+            prompts = [ln for ln in lines if ln]
+            if not prompts:
+                raise UserError(f"sample.prompts = {path!r}: no prompts in it (one a line expected)")
+            return prompts[:n]
+        if self.cfg.data.source != "store":
+            return None
+        from difftrain.data.store import store_captions
+        prompts = store_captions(self.cfg.data.store, n)
+        if not prompts:
+            raise UserError(f"data.store = {self.cfg.data.store!r}: no captions in its text-to-image tables to "
+                            "preview with; set sample.prompts to a file of prompts, or train.sample_every = 0")
+        return prompts
+
     def build(self, autoencoder, text_encoder, rank: int = 0, num_ranks: int = 1, device="cpu",
               micro_batch: int = 0):
         """The source serving data rank ``rank`` of ``num_ranks``."""

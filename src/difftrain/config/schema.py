@@ -216,6 +216,9 @@ class SampleConfig:
                       choices=("train", "none", "fixed", "resolution"), default="train")
     shift_value: float = meta("shift for 'fixed'", gt=0, default=1.0)
     seed: int = meta("sampling seed", ge=0, default=0)
+    prompts: str = meta("a text file of prompts, one a line, for the preview grids of train.sample_every ('' = "
+                        "the run's own: the shapes world's tasks, or captions of the store's text-to-image tables)",
+                        default="")
 
 
 @dataclass

@@ -205,6 +205,22 @@ def open_table(uri: str, name: str):
         raise UserError(f"store table {name} ({uri}) cannot be opened: {str(e).splitlines()[0]}") from None
 
 
+def store_captions(store: str, n: int) -> list[str]:
+    """The first ``n`` non-empty captions of the store's text-to-image tables (a read of the caption column of
+    as few rows as that takes), in table order: prompts from the run's own data, for previews."""
+    manifest = read_manifest(store) or {"tables": {}}
+    out: list[str] = []
+    for name, info in sorted(manifest["tables"].items()):
+        if info.get("task") != "t2i" or len(out) >= n:
+            continue
+        ds = open_table(table_uri(store, name), name)
+        for batch in ds.to_batches(columns=["caption"], batch_size=max(64, n)):
+            out += [c for c in batch.column(0).to_pylist() if c]
+            if len(out) >= n:
+                break
+    return out[:n]
+
+
 def check_store(store: str, cfg, stages) -> tuple[dict, dict[str, TableInfo]]:
     """The store's manifest and the tables this config's stages read, refusing a store whose cache keys
     differ from this config's (the difference is shown)."""

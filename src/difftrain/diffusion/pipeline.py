@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from difftrain.data.batch import Batch, frames_of
+from difftrain.data.batch import Batch, assemble, frames_of
 from difftrain.diffusion.flow import FlowSpec, shift_factor, to_velocity
 from difftrain.diffusion.sampler import euler_sample, guided
 from difftrain.models.autoencoder import Autoencoder
@@ -63,6 +63,14 @@ class Pipeline:
         return to_velocity(out.float(), x_BLC.float(), t_B, self.flow.prediction, t_min=1e-6)
 
     @torch.no_grad()
+    def blank_batch(self, prompts: list[str], h: int, w: int, frames: int = 1, task: str | None = None) -> Batch:
+        """A batch to generate ``frames`` frames of h x w pixels per prompt, nothing given (``task``: by
+        default text-to-image for one frame, else keyframes)."""
+        ae, B = self.autoencoder, len(prompts)
+        lat = torch.zeros(B, frames, ae.latent_channels, h // ae.factor, w // ae.factor, device=self.device)
+        return assemble(lat, list(range(frames)), torch.ones(B, frames, dtype=torch.bool),
+                        self.text_encoder.tokenize(prompts), prompts, task or ("keyframes" if frames > 1 else "t2i"))
+
     def sample(self, batch: Batch, steps: int = 20, cfg_scale: float = 4.0, shift: float | None = None,
                seed: int = 0) -> Tensor:
         """Generate the target frames of ``batch`` (its conditioning frames are kept); latents (B, F, C, H, W)."""

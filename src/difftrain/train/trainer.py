@@ -114,6 +114,7 @@ class Trainer:
         self.flow = FlowSpec.from_config(cfg.diffusion)     # sampling (previews, eval) follows the training flow
         self.optimizer = self._build_optimizer()
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
+        self.source, self.preview_prompts = source, None
         self.loader = source.build(self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
                                    self.device, self.micro_batch)
         self.step = self.samples_seen = self.restarts = 0
@@ -483,11 +484,14 @@ class Trainer:
         return write_weights(source, self.cfg, self.run_dir / "export", self.env.is_main)
 
     def sample_grid(self, path: Path, n: int = 4) -> Path:
-        """A preview grid per task, with the EMA weights, on every rank (FSDP all-gathers need all of them),
-        each on the full sequences (context parallelism off); rank 0 writes the PNG."""
+        """A preview grid of the run's own prompts (``ConfiguredSource.preview_prompts``), with the EMA weights,
+        on every rank (FSDP all-gathers need all of them), on the full sequences (context parallelism off);
+        rank 0 writes the PNG."""
         from difftrain.evaluate import preview_grid
 
+        if self.preview_prompts is None:
+            self.preview_prompts = self.source.preview_prompts(3 * n) or []
         self.checkpointer.wait_staged()          # the EMA swap below writes the parameters
         with self.ema.applied(self.model) if self.ema else contextlib.nullcontext(), cp_disabled(self.model):
             self.model.eval()
-            return preview_grid(self.pipeline(), self.cfg, path, n, self.env.is_main)
+            return preview_grid(self.pipeline(), self.cfg, path, n, self.env.is_main, self.preview_prompts)
