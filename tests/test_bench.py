@@ -20,3 +20,23 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
     for key in ("matmul_tflops", "mfu", "step_s", "mfu_full_ac", "step_s_full_ac", "planner_estimate_gb"):
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result)
     assert 0 < result["mfu"] < 1
+
+
+def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):
+    from difftrain.train import build_trainer
+
+    tr = build_trainer(tiny_cfg("train.steps=2", "train.checkpoint_every=0"), tmp_path / "run")
+    tr.fit()
+    tr.close()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bucket_probe.py"), str(tmp_path / "run"), "32x48",
+                           "48x32", "--n", "2"], capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert list(result) == ["32x32", "32x48", "48x32"]
+    assert all(set(v) == {"color", "position", "shape"} and all(0 <= x <= 1 for x in v.values())
+               for v in result.values())
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "bucket_probe.py"), str(tmp_path / "run"), "16x48"],
+                         capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert bad.returncode == 2 and "must hold the 32 x 32 scene" in bad.stderr
