@@ -336,3 +336,31 @@ def test_previews_of_a_store_run_use_its_own_captions_or_a_prompts_file(tmp_path
     empty = make_store(tmp_path / "e", make_cfg(str(tmp_path / "e" / "store")), tasks=("edit",))
     with pytest.raises(UserError, match="no captions in its text-to-image tables"):
         ConfiguredSource(make_cfg(empty)).preview_prompts(6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 1000, 1_000_000])
+def test_each_epoch_is_a_keyed_permutation_computed_for_the_positions_taken(n):
+    from difftrain.data.store_loader import keyed_order
+
+    whole = keyed_order(n, [3, 303, 0, 7, 0], np.arange(n))
+    assert np.array_equal(np.sort(whole), np.arange(n))                  # every id once per epoch
+    part = keyed_order(n, [3, 303, 0, 7, 0], np.arange(n // 3, n // 3 + min(n, 2048) // 2))
+    assert np.array_equal(part, whole[n // 3:n // 3 + min(n, 2048) // 2])  # any slice, without the rest
+    if n >= 17:
+        assert not np.array_equal(whole, keyed_order(n, [3, 303, 0, 7, 1], np.arange(n)))   # another epoch
+        assert not np.array_equal(whole, np.arange(n))
+
+
+def test_a_loader_state_of_the_earlier_sample_order_is_refused(tmp_path):
+    from difftrain.errors import UserError
+
+    store = make_store(tmp_path)
+    loader = StoreLoader(make_cfg(store), tokenize, 0, 1, "cpu")
+    try:
+        state = loader.state_dict()
+        assert state["order"] == "keyed-bijection/2"
+        del state["order"]                          # a state written before the order changed
+        with pytest.raises(UserError, match="orders samples as 'permutation/1'"):
+            loader.load_state_dict(state)
+    finally:
+        loader.close()

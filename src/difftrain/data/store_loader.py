@@ -66,6 +66,43 @@ def _h64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & 0x7FFFFFFFFFFFFFFF
 
 
+# The sample order of the loader state: "keyed-bijection/2" (a Feistel permutation of each epoch's positions,
+# computed for the positions a step takes); format 1 drew a full permutation of the stream on every step.
+ORDER = "keyed-bijection/2"
+_ROUNDS = 6
+
+
+def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
+    """A 64-bit mixing function (splitmix64's finaliser) of x ^ key; uint64 arithmetic wraps."""
+    z = x ^ key
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def keyed_order(n: int, key: list[int], positions: np.ndarray) -> np.ndarray:
+    """Where ``positions`` land in a pseudo-random permutation of range(n) that is a pure function of ``key``:
+    a balanced Feistel network on the smallest even power of two >= n, walked until it lands below n (at most
+    4x the domain, so under 4 walks on average). O(len(positions)), whatever n: no permutation is stored."""
+    half = max(1, (max(1, n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = np.random.default_rng(key).integers(0, 2**63, size=_ROUNDS, dtype=np.uint64)
+    cur = np.asarray(positions, dtype=np.uint64).copy()
+    out = np.empty_like(cur)
+    todo = np.arange(cur.size)
+    with np.errstate(over="ignore"):
+        while todo.size:
+            left, right = cur[todo] >> np.uint64(half), cur[todo] & mask
+            for k in keys:
+                left, right = right, left ^ (_mix(right, k) & mask)
+            v = (left << np.uint64(half)) | right
+            done = v < np.uint64(n)
+            out[todo[done]] = v[done]
+            cur[todo[~done]] = v[~done]
+            todo = todo[~done]
+    return out.astype(np.int64)
+
+
 @dataclass
 class Stream:
     name: str                 # stage/bucket/task/source
@@ -79,16 +116,14 @@ class Stream:
     epoch: int = 0
     pos: int = 0
 
-    def _perm(self, seed: int, epoch: int) -> np.ndarray:
-        rng = np.random.default_rng([seed, 303, self.stage.index, _h64(self.name), epoch])
-        return self.ids[rng.permutation(len(self.ids))]
-
     def take(self, count: int, seed: int) -> list[int]:
+        """The next ``count`` sample ids: each epoch is a keyed permutation of the stream (a function of seed,
+        stage, stream and epoch), every id once; the cost is that of ``count`` ids, not of the stream."""
         out: list[int] = []
         while len(out) < count:
-            perm = self._perm(seed, self.epoch)
             k = min(count - len(out), len(self.ids) - self.pos)
-            out.extend(int(i) for i in perm[self.pos:self.pos + k])
+            key = [seed, 303, self.stage.index, _h64(self.name), self.epoch]
+            out.extend(self.ids[keyed_order(len(self.ids), key, np.arange(self.pos, self.pos + k))].tolist())
             self.pos += k
             if self.pos == len(self.ids):
                 self.epoch, self.pos = self.epoch + 1, 0
@@ -535,7 +570,7 @@ class StoreLoader:
     # ---- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         positions = self._consumed
-        return {"kind": "store", "step": self.step, "stage": stage_at(self.stages, self.step).name,
+        return {"kind": "store", "order": ORDER, "step": self.step, "stage": stage_at(self.stages, self.step).name,
                 "positions": positions,
                 "global_batches": {f"{s.name}/{b.name}": b.global_batch for s in self.stages for b in s.buckets},
                 "versions": {n: t.version for n, t in self.tables.items()}, "read_errors": self.read_errors}
@@ -544,6 +579,11 @@ class StoreLoader:
         if state.get("kind") != "store":
             raise UserError("the checkpoint's loader state is not a store loader's (it was trained with "
                             "data.source = 'shapes'); resume with the same data.source")
+        if state.get("order", "permutation/1") != ORDER:
+            raise UserError(f"the checkpoint's loader state orders samples as {state.get('order', 'permutation/1')!r}; "
+                            f"this release orders them as {ORDER!r} (planning a step no longer draws a permutation "
+                            "of the whole stream), so the run would not continue its sample stream: finish it with "
+                            "the release that started it, or start a new run directory")
         gbs = {f"{s.name}/{b.name}": b.global_batch for s in self.stages for b in s.buckets}
         if state["global_batches"] != gbs:
             raise UserError(f"the checkpoint's global batches per bucket {state['global_batches']} differ from this "
