@@ -17,7 +17,7 @@ its global batch cannot keep that promise and is left out, with a warning.
 **Ranks.** Data rank r of D reads slice r of the global batch (D must divide every bucket's global batch
 of the stages still to come), split into micro-batches of at most the bucket's cost-balanced size
 (``Bucket.micro_for``). Per-example draws (caption dropout, which keyframes are given) are functions of
-(seed, step, slot in the global batch); text is padded to one length per step whatever the split
+(seed, step, slot in the global batch), drawn as arrays from one generator per step; text is padded to one length per step whatever the split
 (stored embeddings: the global batch's longest; captions: the encoder's token limit).
 
 **State** (in checkpoints): steps consumed by the optimizer (not prefetched), each stream's (epoch,
@@ -66,9 +66,10 @@ def _h64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & 0x7FFFFFFFFFFFFFFF
 
 
-# The sample order of the loader state: "keyed-bijection/2" (a Feistel permutation of each epoch's positions,
-# computed for the positions a step takes); format 1 drew a full permutation of the stream on every step.
-ORDER = "keyed-bijection/2"
+# The sample order of the loader state: "keyed-bijection/3" (a Feistel permutation of each epoch's positions,
+# computed for the positions a step takes; a step's per-slot draws from one generator). Format 2 drew them from
+# a generator per slot; format 1 drew a full permutation of the stream on every step.
+ORDER = "keyed-bijection/3"
 _ROUNDS = 6
 
 
@@ -111,34 +112,54 @@ class Stream:
     bucket: str
     task: str
     source: str
-    ids: np.ndarray           # sorted int64
+    lo: int                   # the stream is positions lo.. of its table's index (sorted by source, then id)
+    ids: np.ndarray           # its sorted sample ids: a view of the table's index, not a copy
     weight: float = 0.0
     epoch: int = 0
     pos: int = 0
 
-    def take(self, count: int, seed: int) -> list[int]:
-        """The next ``count`` sample ids: each epoch is a keyed permutation of the stream (a function of seed,
-        stage, stream and epoch), every id once; the cost is that of ``count`` ids, not of the stream."""
-        out: list[int] = []
-        while len(out) < count:
-            k = min(count - len(out), len(self.ids) - self.pos)
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, count: int, seed: int) -> np.ndarray:
+        """Index positions (in the table) of the next ``count`` samples: each epoch is a keyed permutation of
+        the stream (a function of seed, stage, stream and epoch), every sample once; the cost is that of
+        ``count`` samples, not of the stream."""
+        n = len(self)
+        parts = []
+        need = count
+        while need:
+            k = min(need, n - self.pos)
             key = [seed, 303, self.stage.index, _h64(self.name), self.epoch]
-            out.extend(self.ids[keyed_order(len(self.ids), key, np.arange(self.pos, self.pos + k))].tolist())
+            parts.append(self.lo + keyed_order(n, key, np.arange(self.pos, self.pos + k)))
             self.pos += k
-            if self.pos == len(self.ids):
+            need -= k
+            if self.pos == n:
                 self.epoch, self.pos = self.epoch + 1, 0
-        return out
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _smallest_uint(top: int) -> type:
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if top <= np.iinfo(dt).max:
+            return dt
+    return np.uint64
 
 
 class _Table:
-    """One Lance table: row lookup by sample id, reads by row, its node-local copy when cached."""
+    """One Lance table's index: per sample its id, row and (with stored text states) text length, sorted by
+    (source, sample id) so that each source is one contiguous span; 8 bytes an id, 4 a row (8 past 2^32 rows),
+    2 a text length. Sources are read as Arrow dictionary codes, never as Python strings."""
 
     def __init__(self, info: st.TableInfo, uri: str, store_ds):
+        import pyarrow.compute as pc
+
         self.info, self.uri, self.ds = info, uri, store_ds
         self.version = store_ds.version
         cols = ["sample_id", "source"] + (["txt_len"] if info.text_embeddings else [])
         # The index, fragment by fragment: a damaged fragment loses its rows (counted, logged), not the table.
-        ids, sources, lens, rows = [], [], [], []
+        ids, codes, lens, rows = [], [], [], []
+        names: dict[str, int] = {}
         self.lost, self.damaged = 0, []
         offset = 0
         for frag in store_ds.get_fragments():
@@ -154,29 +175,46 @@ class _Table:
                 offset += n
                 continue
             ids.append(t["sample_id"].to_numpy())
-            sources += t["source"].to_pylist()
+            enc = pc.dictionary_encode(t["source"]).combine_chunks()
+            local = np.array([names.setdefault(v, len(names)) for v in enc.dictionary.to_pylist()], dtype=np.int32)
+            codes.append(local[enc.indices.to_numpy(zero_copy_only=False)] if len(local) else
+                         np.zeros(n, np.int32))
             if info.text_embeddings:
                 lens.append(t["txt_len"].to_numpy())
-            rows.append(np.arange(offset, offset + n))
+            rows.append(np.arange(offset, offset + n, dtype=np.int64))
             offset += n
-        ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-        rows_all = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-        order = np.argsort(ids, kind="stable")
-        self.sorted_ids, self.rows = ids[order], rows_all[order]
-        if len(self.sorted_ids) > 1 and (np.diff(self.sorted_ids) == 0).any():
-            dup = int(self.sorted_ids[:-1][np.diff(self.sorted_ids) == 0][0])
-            raise UserError(f"store table {info.name}: sample id {dup} appears twice (a damaged or doubly "
-                            "committed table); re-run 'difftrain prepare --overwrite'")
-        self.sources = np.asarray(sources, dtype=object)[order] if sources else np.zeros(0, dtype=object)
-        self.txt_len = np.concatenate(lens)[order] if lens else None
         self.total = offset
+        ids_all = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        code_all = np.concatenate(codes) if codes else np.zeros(0, np.int32)
+        by_name = sorted(names)                                  # spans in source-name order
+        rank = np.zeros(len(names), np.int32)
+        for r, name in enumerate(by_name):
+            rank[names[name]] = r
+        code_all = rank[code_all] if len(code_all) else code_all
+        order = np.lexsort((ids_all, code_all))
+        del codes
+        self.ids = ids_all[order]
+        row_dt = np.uint32 if offset < 2**32 else np.int64
+        self.rows = np.concatenate(rows)[order].astype(row_dt) if rows else np.zeros(0, row_dt)
+        self.txt_len = None
+        if lens:
+            ln = np.concatenate(lens)[order]
+            self.txt_len = ln.astype(_smallest_uint(int(ln.max()) if len(ln) else 0))
+        sorted_codes = code_all[order]
+        bounds = np.searchsorted(sorted_codes, np.arange(len(by_name) + 1))
+        self.spans = {name: (int(bounds[r]), int(bounds[r + 1])) for r, name in enumerate(by_name)}
+        del sorted_codes, code_all, order
+        for name, (lo, hi) in self.spans.items():
+            d = np.flatnonzero(np.diff(self.ids[lo:hi]) == 0)
+            if d.size:
+                raise UserError(f"store table {info.name}: sample id {int(self.ids[lo + d[0]])} of source {name!r} "
+                                "appears twice (a damaged or doubly committed table); re-run 'difftrain prepare "
+                                "--overwrite'")
 
-    def row_of(self, ids: list[int]) -> np.ndarray:
-        want = np.asarray(ids, dtype=np.int64)
-        pos = np.minimum(np.searchsorted(self.sorted_ids, want), max(0, len(self.sorted_ids) - 1))
-        if len(self.sorted_ids) == 0 or (self.sorted_ids[pos] != want).any():
-            raise UserError(f"store table {self.info.name}: sample ids missing from version {self.version}")
-        return self.rows[pos]
+    @property
+    def index_bytes(self) -> int:
+        """Bytes the index holds for the table's samples (ids, rows, text lengths)."""
+        return self.ids.nbytes + self.rows.nbytes + (self.txt_len.nbytes if self.txt_len is not None else 0)
 
 
 class NodeCache:
@@ -292,6 +330,10 @@ class StoreLoader:
             from safetensors.torch import load_file
             self.empty_text = load_file(f"{self.store.rstrip('/')}/empty_text.safetensors")
         self.streams = self._streams()
+        self._cum = {}
+        for stage, streams in self.streams.items():
+            w = np.array([s.weight for s in streams])
+            self._cum[stage] = np.cumsum(w / w.sum())
         self.step = 0
         self.lost = lost            # rows lost to damaged fragments (checked above against all rows)
         self.read_errors = 0        # rows unreadable when read (checked against the rows read)
@@ -316,23 +358,22 @@ class StoreLoader:
                 if info.stage != stage.name:
                     continue
                 bucket = stage.bucket(info.bucket)
-                for source in sorted(set(table.sources.tolist())):
+                for source, (lo, hi) in table.spans.items():
                     if stage.mixture and source not in stage.mixture:
                         continue
-                    ids = table.sorted_ids[table.sources == source]
                     sname = f"{name}/{source}"
-                    if len(ids) < bucket.global_batch:
-                        warnings.warn(f"stream {sname} has {len(ids)} samples, fewer than its bucket's global batch "
+                    if hi - lo < bucket.global_batch:
+                        warnings.warn(f"stream {sname} has {hi - lo} samples, fewer than its bucket's global batch "
                                       f"{bucket.global_batch}: left out of the plan", stacklevel=2)
                         continue
-                    streams.append(Stream(sname, stage, name, info.bucket, info.task, source, ids))
+                    streams.append(Stream(sname, stage, name, info.bucket, info.task, source, lo, table.ids[lo:hi]))
             groups: dict[str, int] = {}
             for s in streams:
                 g = s.source if stage.mixture else s.task
-                groups[g] = groups.get(g, 0) + len(s.ids)
+                groups[g] = groups.get(g, 0) + len(s)
             for s in streams:
                 g = s.source if stage.mixture else s.task
-                s.weight = (stage.mixture[g] if stage.mixture else task_weight[s.task]) * len(s.ids) / groups[g]
+                s.weight = (stage.mixture[g] if stage.mixture else task_weight[s.task]) * len(s) / groups[g]
             streams = [s for s in streams if s.weight > 0]
             if not streams:
                 raise UserError(f"stage {stage.name!r}: no stream of the store {self.store!r} has samples and a "
@@ -353,28 +394,33 @@ class StoreLoader:
     def _plan(self, step: int) -> dict:
         stage = stage_at(self.stages, step)
         streams = self.streams[stage.name]
-        w = np.array([s.weight for s in streams])
+        cum = self._cum[stage.name]
         u = np.random.default_rng([self.seed, 101, step]).random()
-        k = int(np.searchsorted(np.cumsum(w / w.sum()), u, side="right").clip(0, len(streams) - 1))
-        s = streams[k]
+        s = streams[int(np.searchsorted(cum, u, side="right").clip(0, len(streams) - 1))]
         bucket = stage.bucket(s.bucket)
-        ids = s.take(bucket.global_batch, self.seed)
+        at = s.take(bucket.global_batch, self.seed)
         table = self.tables[s.table]
-        F = table.info.frames
-        draws = []
-        for slot in range(len(ids)):
-            rng = np.random.default_rng([self.seed, 202, step, slot])
-            targets = self._keyframe_targets(F, rng) if s.task == "keyframes" else None
-            draws.append((targets, bool(rng.random() < self.cfg.data.caption_dropout)))
+        drop, targets = self._draws(step, len(at), table.info.frames, s.task)
         return {"step": step, "stage": stage.name, "stream": s.name, "table": s.table, "task": s.task,
-                "bucket": bucket, "ids": ids, "draws": draws}
+                "bucket": bucket, "at": at, "ids": table.ids[at].tolist(), "drop": drop, "targets": targets}
 
-    def _keyframe_targets(self, k: int, rng: np.random.Generator) -> list[bool]:
-        if rng.random() >= self.cfg.data.keyframe_cond_prob:
-            return [True] * k
-        g = int(rng.integers(1, k))
-        given = set(range(g)) if rng.random() < 0.5 else set(rng.choice(k, size=g, replace=False).tolist())
-        return [f not in given for f in range(k)]
+    def _draws(self, step: int, n: int, frames: int, task: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-slot draws of one step from one generator seeded by (seed, step): whether the caption is dropped
+        and which frames are targets (keyframes: all, or with probability ``keyframe_cond_prob`` a prefix or a
+        random subset of 1..F-1 frames given). Slot j's values sit at index j of each array, so they depend on
+        (seed, step, slot) only, whatever the world size; arrays, not a generator per slot."""
+        rng = np.random.default_rng([self.seed, 202, step])
+        drop = rng.random(n) < self.cfg.data.caption_dropout
+        targets = np.zeros((n, frames), dtype=bool)
+        targets[:, 0] = True
+        if task == "keyframes":
+            cond = rng.random(n) < self.cfg.data.keyframe_cond_prob
+            given = rng.integers(1, max(2, frames), size=n)                 # frames given, 1..F-1
+            prefix = rng.random(n) < 0.5
+            rank = np.argsort(np.argsort(rng.random((n, frames)), axis=1), axis=1)  # a random order of frames
+            where = np.where(prefix[:, None], np.arange(frames)[None, :], rank)
+            targets = ~(cond[:, None] & (where < given[:, None]))
+        return drop, targets
 
     def _positions(self) -> dict:
         return {s.name: [s.epoch, s.pos] for streams in self.streams.values() for s in streams}
@@ -392,10 +438,11 @@ class StoreLoader:
     def _columns(self, table: _Table) -> list[str]:
         return ["sample_id", "caption"] + (["txt", "txt_len", "pooled"] if table.info.text_embeddings else [])
 
-    def _rows(self, table: _Table, ids: list[int]) -> dict[int, dict]:
-        """Rows by sample id: index columns by ``take``, latents by ``take_blobs`` read straight into one
-        buffer (no Python lists, one copy from the file)."""
-        rows_idx = table.row_of(ids).tolist()
+    def _rows(self, table: _Table, ids: list[int], at: np.ndarray) -> dict[int, dict]:
+        """Rows of the samples at index positions ``at`` (whose ids are ``ids``), keyed by sample id: index
+        columns by ``take``, latents by ``take_blobs`` read straight into one buffer (no Python lists, one copy
+        from the file)."""
+        rows_idx = table.rows[at].astype(np.int64).tolist()
         t = table.ds.take(rows_idx, columns=self._columns(table))
         n = t.num_rows
         if n == 0:
@@ -422,17 +469,17 @@ class StoreLoader:
                 r["txt_len"] = int(lens[i])
         return rows
 
-    def _read_rows(self, table: _Table, ids: list[int]) -> dict[int, dict]:
+    def _read_rows(self, table: _Table, ids: list[int], at: np.ndarray) -> dict[int, dict]:
         try:
-            return self._rows(table, ids)
+            return self._rows(table, ids, at)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - fall back to row by row to find the damaged rows
             first = str(e).splitlines()[0]
         out = {}
-        for i in ids:
+        for i, a in zip(ids, at):
             try:
-                out.update(self._rows(table, [i]))
+                out.update(self._rows(table, [i], np.asarray([a])))
             except Exception as e:  # noqa: BLE001
                 log.warning("store table %s (%s): sample %d unreadable (%s); skipped", table.info.name, table.uri, i,
                             str(e).splitlines()[0] or first)
@@ -440,7 +487,7 @@ class StoreLoader:
 
     def _build(self, plan: dict) -> list[Batch]:
         table = self._table_ds(plan["table"])
-        bucket, ids, draws, task = plan["bucket"], plan["ids"], plan["draws"], plan["task"]
+        bucket, ids, task = plan["bucket"], plan["ids"], plan["task"]
         share = bucket.global_batch // self.num_ranks
         lo = self.rank * share
         F = table.info.frames
@@ -448,7 +495,7 @@ class StoreLoader:
         n_micro = -(-share // mb)
         bounds = [lo + (share * j) // n_micro for j in range(n_micro + 1)]
         mine = ids[lo:lo + share]
-        rows = self._read_rows(table, mine)
+        rows = self._read_rows(table, mine, plan["at"][lo:lo + share])
         missing = [i for i in mine if i not in rows]
         with self.count_lock:
             self.read_errors += len(missing)
@@ -465,8 +512,8 @@ class StoreLoader:
             if not slots:
                 raise UserError(f"store table {table.info.name}: a whole micro-batch of step {plan['step']} is "
                                 f"unreadable (sample ids {ids[bounds[j]:bounds[j + 1]][:5]}...)")
-            out.append(self._collate(table, task, [rows[ids[s]] for s in slots], [draws[s] for s in slots],
-                                     [ids[s] for s in slots], lengths))
+            out.append(self._collate(table, task, [rows[ids[s]] for s in slots], plan["drop"][slots],
+                                     plan["targets"][slots], [ids[s] for s in slots], lengths))
         return out
 
     def _text_lengths(self, table: _Table, plan: dict) -> int:
@@ -474,12 +521,13 @@ class StoreLoader:
         (padding is attended): stored embeddings, the global batch's longest (from the index); captions,
         the encoder's token limit (only this rank's captions are read)."""
         if table.info.text_embeddings:
-            lens = table.txt_len[np.searchsorted(table.sorted_ids, np.asarray(plan["ids"], dtype=np.int64))]
+            lens = table.txt_len[plan["at"]].astype(np.int64)
             empty = self.empty_text["txt"].shape[0] if self.empty_text is not None else 1
-            return int(max(empty if d else int(n) for n, (_, d) in zip(lens, plan["draws"])))
+            return int(np.where(plan["drop"], empty, lens).max())
         return self.cfg.text.max_tokens
 
-    def _collate(self, table: _Table, task: str, rows: list[dict], draws: list, ids: list[int], txt_len: int) -> Batch:
+    def _collate(self, table: _Table, task: str, rows: list[dict], drop: np.ndarray, targets: np.ndarray,
+                 ids: list[int], txt_len: int) -> Batch:
         shape = table.info.latent_shape
         B = len(rows)
         first = rows[0].get("_i", -1)
@@ -490,16 +538,13 @@ class StoreLoader:
         F, C, h, w = shape
         # stored in token order: a reshape; bf16 stays bf16 (widened on the device)
         lat = st.from_bits(bits, self.latent_dtype, keep=True).reshape(B, F, (h // 2) * (w // 2), C * 4)
-        prompts = ["" if d else (r["caption"] or "") for r, (_, d) in zip(rows, draws)]
-        if task == "keyframes":
-            targets = torch.tensor([t for t, _ in draws])
-        else:
-            targets = torch.tensor([[True] + [False] * (F - 1)] * B)
+        prompts = ["" if d else (r["caption"] or "") for r, d in zip(rows, drop.tolist())]
         indices = list(range(F))
-        batch = assemble_packed(lat, h, w, indices, targets, {}, prompts, task, [{"sample_id": i} for i in ids])
+        batch = assemble_packed(lat, h, w, indices, torch.from_numpy(targets.copy()), {}, prompts, task,
+                                [{"sample_id": i} for i in ids])
         batch.sample_ids = list(ids)
         if table.info.text_embeddings:
-            batch.text = self._embeddings(rows, draws, txt_len)
+            batch.text = self._embeddings(rows, drop.tolist(), txt_len)
         elif self.tokenize is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -508,10 +553,10 @@ class StoreLoader:
             batch = batch.pin_memory()
         return batch
 
-    def _embeddings(self, rows: list[dict], draws: list, length: int) -> TextEmbedding:
+    def _embeddings(self, rows: list[dict], drop: list[bool], length: int) -> TextEmbedding:
         dt = self.latent_dtype
         txts, pools, masks = [], [], []
-        for r, (_, dropped) in zip(rows, draws):
+        for r, dropped in zip(rows, drop):
             if dropped:
                 t, p = self.empty_text["txt"], self.empty_text["pooled"]
             else:
@@ -582,8 +627,8 @@ class StoreLoader:
         if state.get("order", "permutation/1") != ORDER:
             raise UserError(f"the checkpoint's loader state orders samples as {state.get('order', 'permutation/1')!r}; "
                             f"this release orders them as {ORDER!r} (planning a step no longer draws a permutation "
-                            "of the whole stream), so the run would not continue its sample stream: finish it with "
-                            "the release that started it, or start a new run directory")
+                            "of the whole stream, nor a generator per slot), so the run would not continue its "
+                            "sample stream: finish it with the release that started it, or start a new run directory")
         gbs = {f"{s.name}/{b.name}": b.global_batch for s in self.stages for b in s.buckets}
         if state["global_batches"] != gbs:
             raise UserError(f"the checkpoint's global batches per bucket {state['global_batches']} differ from this "
