@@ -83,7 +83,8 @@ def _check_frozen(enc: HFTextEncoder, emb) -> None:
 
 @pytest.mark.filterwarnings("error::difftrain.models.text.PromptTooLong")
 def test_t5_and_clip_match_direct_transformers_calls(tiny):
-    enc = HFTextEncoder.from_paths(tiny["t5"], tiny["clip"], max_tokens=MAX, dtype="fp32")
+    """text.padding = 'padded', as FLUX: full-length padding, T5 run over it unmasked."""
+    enc = HFTextEncoder.from_paths(tiny["t5"], tiny["clip"], max_tokens=MAX, dtype="fp32", padding="padded")
     assert (enc.dim, enc.pooled_dim, enc.max_tokens) == (32, 32, MAX)
     tokens = enc.tokenize(PROMPTS)
     emb = enc(tokens)
@@ -96,9 +97,8 @@ def test_t5_and_clip_match_direct_transformers_calls(tiny):
     ref_clip = tiny["clip_tok"](PROMPTS, padding="max_length", max_length=77, return_tensors="pt")
     assert torch.equal(tokens["t5_ids"], ref_t5["input_ids"])
     assert torch.equal(tokens["clip_ids"], ref_clip["input_ids"])
-    # Mask True on real tokens: "hi" is 2 bytes + </s> in ByT5.
-    assert emb.mask_BT[1].tolist() == [True] * 3 + [False] * (MAX - 3)
-    assert torch.equal(emb.mask_BT, ref_t5["attention_mask"].bool())
+    # Every position is attended under 'padded' (the padding states included, as FLUX was trained).
+    assert bool(emb.mask_BT.all())
 
     with torch.no_grad():
         want_txt = tiny["t5_model"](input_ids=ref_t5["input_ids"]).last_hidden_state
@@ -109,8 +109,33 @@ def test_t5_and_clip_match_direct_transformers_calls(tiny):
     assert (emb.pooled_BP[0] - emb.pooled_BP[1]).abs().max() > 1e-3
 
 
+@pytest.mark.filterwarnings("error::difftrain.models.text.PromptTooLong")
+def test_masked_rule_states_do_not_depend_on_padding(tiny):
+    """text.padding = 'masked': T5 runs with its attention mask, text is padded to a rung of the ladder, and a
+    caption's states are the same whatever it is padded to (alone, beside a long caption, to max_tokens)."""
+    enc = HFTextEncoder.from_paths(tiny["t5"], tiny["clip"], max_tokens=MAX, dtype="fp32", padding="masked")
+    tokens = enc.tokenize(PROMPTS)
+    assert tokens["t5_ids"].shape[1] == 32                # the longest is 31 bytes + </s>: rung 32 of 8..MAX
+    assert tokens["clip_ids"].shape[1] == 77              # CLIP only pools here: its own full length, as FLUX
+    emb = enc(tokens)
+    assert emb.mask_BT[1].tolist() == [True] * 3 + [False] * 29     # "hi": 2 bytes + </s>
+    alone = enc(enc.tokenize(PROMPTS[1:]))
+    assert alone.txt_BTD.shape[1] == 8
+    full = enc(enc.tokenize(PROMPTS[1:], length=MAX))
+    for other in (emb.txt_BTD[1:], full.txt_BTD):
+        assert (other[0, :3] - alone.txt_BTD[0, :3]).abs().max() <= 1e-5
+    with torch.no_grad():
+        ref = tiny["t5_tok"](PROMPTS[1:], return_tensors="pt")
+        want = tiny["t5_model"](input_ids=ref["input_ids"]).last_hidden_state   # no padding at all
+    assert (alone.txt_BTD[0, :3] - want[0]).abs().max() <= 1e-5
+    assert torch.allclose(alone.pooled_BP, emb.pooled_BP[1:], atol=1e-5)
+    # Unmasked ('padded') states of the same caption differ: the rule matters.
+    padded = HFTextEncoder.from_paths(tiny["t5"], tiny["clip"], max_tokens=MAX, dtype="fp32", padding="padded")
+    assert (padded(padded.tokenize(PROMPTS[1:])).txt_BTD[0, :3] - want[0]).abs().max() > 1e-4
+
+
 def test_t5_only_pools_by_masked_mean(tiny):
-    enc = HFTextEncoder.from_paths(tiny["t5"], "", max_tokens=MAX, dtype="fp32")
+    enc = HFTextEncoder.from_paths(tiny["t5"], "", max_tokens=MAX, dtype="fp32", padding="padded")
     assert enc.clip is None and enc.pooled_dim == 32
     tokens = enc.tokenize(PROMPTS)
     assert set(tokens) == {"t5_ids", "t5_mask"}
@@ -120,7 +145,7 @@ def test_t5_only_pools_by_masked_mean(tiny):
     with torch.no_grad():
         want = tiny["t5_model"](input_ids=tokens["t5_ids"]).last_hidden_state
     assert (emb.txt_BTD - want).abs().max() <= 1e-5
-    n = int(emb.mask_BT[1].sum())
+    n = int(tokens["t5_mask"][1].sum())
     assert n == 3
     assert torch.allclose(emb.pooled_BP[1], want[1, :n].mean(0), atol=1e-5)
     assert not torch.allclose(emb.pooled_BP[1], want[1].mean(0), atol=1e-4)  # padding excluded
@@ -128,7 +153,7 @@ def test_t5_only_pools_by_masked_mean(tiny):
 
 @pytest.mark.filterwarnings("error::difftrain.models.text.PromptTooLong")
 def test_clip_only_gives_sequence_and_pooled(tiny):
-    enc = HFTextEncoder.from_paths("", tiny["clip"], max_tokens=30, dtype="fp32")
+    enc = HFTextEncoder.from_paths("", tiny["clip"], max_tokens=30, dtype="fp32", padding="padded")
     assert enc.t5 is None and (enc.dim, enc.pooled_dim, enc.max_tokens) == (32, 32, 30)
     tokens = enc.tokenize(PROMPTS)
     assert set(tokens) == {"clip_ids", "clip_mask"}
@@ -139,7 +164,7 @@ def test_clip_only_gives_sequence_and_pooled(tiny):
         out = tiny["clip_model"](input_ids=tokens["clip_ids"])
     assert (emb.txt_BTD - out.last_hidden_state).abs().max() <= 1e-5
     assert (emb.pooled_BP - out.pooler_output).abs().max() <= 1e-5
-    assert torch.equal(emb.mask_BT, tokens["clip_mask"]) and emb.mask_BT[1].sum() == 4  # <sot> h i <eot>
+    assert tokens["clip_mask"][1].sum() == 4 and bool(emb.mask_BT.all())   # <sot> h i <eot>; all attended
     # CLIP has only 77 positions: a longer max_tokens is capped, not an index error.
     assert HFTextEncoder.from_paths("", tiny["clip"], max_tokens=512, dtype="fp32").max_tokens == 77
 

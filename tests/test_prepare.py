@@ -278,3 +278,91 @@ def test_cli_export_and_dry_run(ray_local, tmp_path, capsys):
     assert "score: quality < 0.5" in out.err                       # the counts per reason, printed
     assert not (tmp_path / "store").exists()
     assert main(["prepare", str(cfg_path), "--commit-every", "0"]) == 2
+
+
+def _record_dit_inputs(dit) -> list[dict]:
+    """Wrap the DiT's forward to record the text it is given (states, pooled, mask) on every call."""
+    calls: list[dict] = []
+    original = dit.forward
+
+    def forward(img, ids, txt, t, pooled, *args, txt_mask_BT=None, **kwargs):
+        calls.append({"txt": txt.detach().clone(), "pooled": pooled.detach().clone(),
+                      "mask": None if txt_mask_BT is None else txt_mask_BT.detach().clone()})
+        return original(img, ids, txt, t, pooled, *args, txt_mask_BT=txt_mask_BT, **kwargs)
+
+    dit.forward = forward
+    return calls
+
+
+@pytest.mark.parametrize("rule", ["masked", "padded"])
+def test_text_the_dit_gets_in_a_store_fed_step_is_what_sample_feeds_it(ray_local, export, tmp_path, tiny, tiny_vae,
+                                                                       rule):
+    """One text rule (text.padding) for every path: frozen T5 + CLIP states written by prepare, read by the store
+    loader (captions dropped included) and given to the DiT by a training step equal, position for attended
+    position, the states 'sample' gives it for the same captions (conditional) and for the dropped ones (CFG's
+    unconditional branch), with the same masks; and the DiT's output on them is the same."""
+    from difftrain.data.store_loader import StoreLoader
+    from difftrain.train import build_trainer
+
+    store = tmp_path / rule
+    one_stage = '[{name = "s", start_step = 0, buckets = [[32, 32]], global_batch = 8}]'
+    cfg = shapes_cfg(export, store, "text.kind=hf", f"text.t5_path={tiny['t5']}", f"text.clip_path={tiny['clip']}",
+                     "text.max_tokens=96", f"text.padding={rule}", "autoencoder.kind=diffusers",
+                     f"autoencoder.path={tiny_vae[1]}", f"data.stages={one_stage}", "data.latent_dtype=fp32",
+                     "data.caption_dropout=0.4", "train.steps=1", "train.checkpoint_every=0", "train.ema_decay=0",
+                     "train.precision=fp32")
+    prepare(cfg, progress=False)
+    assert st.read_manifest(str(store))["tables"]["s/32x32/t2i"]["key"]["text"]["padding"] == rule
+    loader = StoreLoader(cfg, None)
+    for _ in range(20):                      # a step with captions both kept and dropped
+        batches = next(loader)
+        prompts = [p for b in batches for p in b.prompts]
+        if "" in prompts and any(prompts):
+            break
+    loader.close()
+    assert "" in prompts and any(prompts)
+    batch = batches[0]
+    tr = build_trainer(cfg, tmp_path / "run")
+    with torch.no_grad():                     # a DiT whose output depends on its text (not adaLN-zero's zeros)
+        g = torch.Generator().manual_seed(0)
+        for p in tr.dit.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    calls = _record_dit_inputs(tr.dit)
+    b = tr.denoiser.on_device(batch)
+    B, L, C = b.x0_BLC.shape
+    x = torch.randn(B, L, C, generator=g)
+    t = torch.full((B,), 0.5)
+    with torch.no_grad():
+        out_train, _ = tr.denoiser(b, x, t, tr.denoiser.embed_text(b))
+    train_in = calls.pop()
+
+    pipe = tr.pipeline()
+    side = pipe.blank_batch([p or "a caption" for p in batch.prompts], 32, 32)
+    with torch.no_grad():
+        pipe.sample(side, steps=1, cfg_scale=3.0, seed=0)          # CFG: conditional and unconditional rows
+    sample_in = calls.pop()
+    assert sample_in["txt"].shape[0] == 2 * B
+    rows = [j if p else B + j for j, p in enumerate(batch.prompts)]  # dropped: the unconditional row
+    s_txt, s_pooled = sample_in["txt"][rows], sample_in["pooled"][rows]
+    s_mask = sample_in["mask"][rows] if sample_in["mask"] is not None else None
+    if rule == "padded":
+        assert train_in["mask"] is None and s_mask is None            # nothing masked: all max_tokens attended
+        assert train_in["txt"].shape[1] == s_txt.shape[1] == 96
+        torch.testing.assert_close(train_in["txt"], s_txt, rtol=0, atol=1e-5)
+    else:
+        n_train, n_sample = train_in["mask"].sum(1), s_mask.sum(1)
+        assert torch.equal(n_train, n_sample)                      # the same attended positions
+        assert bool((n_train < train_in["txt"].shape[1]).any())     # and some padding to mask
+        for j in range(B):
+            n = int(n_train[j])
+            assert train_in["mask"][j, :n].all() and s_mask[j, :n].all()
+            torch.testing.assert_close(train_in["txt"][j, :n], s_txt[j, :n], rtol=0, atol=1e-5)
+        assert train_in["txt"].shape[1] in (8, 16, 32, 64, 96)     # a rung of the ladder
+    torch.testing.assert_close(train_in["pooled"], s_pooled, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        out_sample = tr.dit(x, b.ids_BL3, s_txt, t, s_pooled, txt_mask_BT=s_mask)
+        other = tr.dit(x, b.ids_BL3, s_txt.roll(1, 0), t, s_pooled.roll(1, 0),
+                       txt_mask_BT=None if s_mask is None else s_mask.roll(1, 0))
+    torch.testing.assert_close(out_train, out_sample, rtol=0, atol=1e-4)
+    assert (other - out_sample).abs().max() > 1e-3                 # the text reaches the output
+    tr.close()

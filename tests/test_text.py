@@ -13,7 +13,36 @@ def test_tokenize_pads_to_the_longest_prompt_and_marks_unknown_words():
     with pytest.warns(UserWarning, match="zebra"):
         unk = enc.tokenize(["a zebra"])
     assert unk["ids"][0, 1] == 1                       # <unk>
-    assert enc.tokenize([""])["ids"].shape == (1, 1)   # the empty prompt is one pad token
+    assert enc.tokenize([""])["ids"].shape == (1, 8)   # padded to the ladder's first rung (capped at max_tokens)
+    assert WordTextEncoder(vocabulary(), max_tokens=16, padding="padded").tokenize(["a"])["ids"].shape == (1, 16)
+    long = WordTextEncoder(vocabulary(), max_tokens=40)
+    assert long.tokenize(["a red circle " * 3])["ids"].shape == (1, 16)        # 9 words: rung 16 of 8, 16, 32, 40
+    assert long.tokenize(["a red circle " * 11])["ids"].shape == (1, 40)       # 33 words: max_tokens
+
+
+@pytest.mark.parametrize("padding", ["masked", "padded"])
+def test_a_captions_features_do_not_depend_on_its_batch(padding):
+    """Under either rule a caption's states and pooled vector are the same alone or beside a longer caption
+    ('masked': the encoder masks the padding; 'padded': every caption is padded to max_tokens); the empty
+    caption is one attended position under 'masked', all max_tokens under 'padded'."""
+    torch.manual_seed(0)
+    enc = WordTextEncoder(vocabulary(), max_tokens=16, dim=32, layers=2, padding=padding).eval()
+    short, long = "a red circle", "a small blue square in the top left of the picture"
+    alone = enc(enc.tokenize([short]))
+    both = enc(enc.tokenize([short, long]))
+    n = 3 if padding == "masked" else 16
+    assert alone.mask_BT.sum() == n and both.mask_BT[0].sum() == n
+    torch.testing.assert_close(alone.txt_BTD[0, :n], both.txt_BTD[0, :n], rtol=0, atol=1e-5)
+    torch.testing.assert_close(alone.pooled_BP[0], both.pooled_BP[0], rtol=0, atol=1e-5)
+    empty = enc(enc.tokenize([""]))
+    assert int(empty.mask_BT.sum()) == (1 if padding == "masked" else 16)
+    assert torch.isfinite(empty.txt_BTD).all() and torch.isfinite(empty.pooled_BP).all()
+    if padding == "masked":      # without the mask the padding would change the short caption's states
+        unmasked = WordTextEncoder(vocabulary(), max_tokens=16, dim=32, layers=2, padding="padded").eval()
+        unmasked.load_state_dict(enc.state_dict())
+        a = unmasked(enc.tokenize([short])).txt_BTD[0, :3]
+        b = unmasked(enc.tokenize([short, long])).txt_BTD[0, :3]
+        assert (a - b).abs().max() > 1e-3
 
 
 def test_long_prompt_is_truncated_with_a_warning():

@@ -37,6 +37,10 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     with the EMA weights when the run kept them."""
     info = Checkpointer.read_info(checkpoint)
     cfg = from_dict(info["config"], f"{info['path']}/trainer.json")
+    if "padding" not in info["config"].get("text", {}):
+        log.warning("%s was trained before text.padding existed (its text encoder attended padding to each batch's "
+                    "longest caption); it is sampled under text.padding = %r, which it was not trained for",
+                    info["path"], cfg.text.padding)
     device = device or pick_device()
     ae = build_autoencoder(cfg.autoencoder.kind, cfg.autoencoder.factor, cfg.autoencoder.path,
                            cfg.autoencoder.scaling, cfg.autoencoder.shift)

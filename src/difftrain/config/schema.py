@@ -70,6 +70,12 @@ class TextConfig:
     clip_path: str = meta("local path of a CLIP text model (transformers format); '' = none", default="")
     dtype: str = meta("compute dtype of frozen encoders ('auto' = bf16 where supported)",
                       choices=("auto", "bf16", "fp32"), default="auto")
+    padding: str = meta("the text rule of every path (training from the shapes world or the store, dropped captions, "
+                        "CFG's unconditional branch, sample, eval): 'masked' = encoders run with their attention "
+                        "mask, true-length states stored, text padded to a rung of 8, 16, 32 ... max_tokens and "
+                        "masked out of the DiT's attention; 'padded' = every caption padded to max_tokens and "
+                        "attended, padding included (as FLUX.1 was trained: use it to fine-tune FLUX)",
+                        choices=("masked", "padded"), default="masked")
 
 
 @dataclass

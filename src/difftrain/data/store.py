@@ -87,7 +87,7 @@ def encoder_identity(cfg) -> dict[str, Any]:
         out["autoencoder"].update(path_digest=_path_digest(ae.path), scaling=ae.scaling, shift=ae.shift)
     if t.kind == "hf":     # frozen encoders: their embeddings are in the store
         out["text"] = {"kind": "hf", "t5": _path_digest(t.t5_path), "clip": _path_digest(t.clip_path),
-                       "max_tokens": t.max_tokens, "dtype": t.dtype}
+                       "max_tokens": t.max_tokens, "dtype": t.dtype, "padding": t.padding}
     else:                  # encoders trained with the model read the caption
         out["text"] = {"kind": "caption"}
     return out
@@ -247,6 +247,13 @@ def check_store(store: str, cfg, stages) -> tuple[dict, dict[str, TableInfo]]:
         if not found:
             problems.append(f"stage {stage.name!r}: no table for its buckets {[b.name for b in stage.buckets]} "
                             "(prepare the store with this config)")
+    # A store written before text.padding existed holds states computed over padding, unmasked: 'padded'-like.
+    rules = {info.key["text"].get("padding", "padded") for info in tables.values()
+             if info.key.get("text", {}).get("kind") == "hf"}
+    if rules and rules != {cfg.text.padding}:
+        raise UserError(f"data.store = {store!r} holds text states under text.padding = {sorted(rules)[0]!r}, this "
+                        f"config says {cfg.text.padding!r}: set text.padding = {sorted(rules)[0]!r}, or re-run "
+                        "'difftrain prepare --overwrite' to encode the captions under the config's rule")
     if problems:
         raise UserError(f"data.store = {store!r} was built with other settings; re-run 'difftrain prepare' "
                         "(it never overwrites silently):\n  " + "\n  ".join(problems))

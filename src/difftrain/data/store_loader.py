@@ -55,7 +55,7 @@ from difftrain.data.batch import Batch, assemble_packed
 from difftrain.config.stages import Stage, parse_stages
 from difftrain.data.curriculum import stage_at
 from difftrain.errors import UserError
-from difftrain.models.text import TextEmbedding, pad_tokens
+from difftrain.models.text import TextEmbedding, pad_tokens, text_length
 
 log = logging.getLogger("difftrain")
 
@@ -517,13 +517,15 @@ class StoreLoader:
         return out
 
     def _text_lengths(self, table: _Table, plan: dict) -> int:
-        """Text length every micro-batch of the step is padded to, the same however the global batch is split
-        (padding is attended): stored embeddings, the global batch's longest (from the index); captions,
-        the encoder's token limit (only this rank's captions are read)."""
+        """Text length every micro-batch of the step is padded to, the same however the global batch is split:
+        stored states, the ``text.padding`` rule's length for the global batch's longest (from the index: a rung
+        of the ladder under 'masked', all ``max_tokens`` stored states under 'padded'); captions, the encoder's
+        token limit (only this rank's captions are read)."""
         if table.info.text_embeddings:
             lens = table.txt_len[plan["at"]].astype(np.int64)
             empty = self.empty_text["txt"].shape[0] if self.empty_text is not None else 1
-            return int(np.where(plan["drop"], empty, lens).max())
+            longest = int(np.where(plan["drop"], empty, lens).max())
+            return max(longest, text_length(longest, self.cfg.text.max_tokens, self.cfg.text.padding))
         return self.cfg.text.max_tokens
 
     def _collate(self, table: _Table, task: str, rows: list[dict], drop: np.ndarray, targets: np.ndarray,

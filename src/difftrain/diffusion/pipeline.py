@@ -59,7 +59,9 @@ class Pipeline:
         if self.dit.params.guidance_embed:
             g = torch.full_like(t_B, self.guidance if self.guidance is not None else 1.0)
         with autocast(self.device, self.amp_dtype):
-            out = self.dit(x_BLC, ids_BL3, emb.txt_BTD, t_B, emb.pooled_BP, g, txt_mask_BT=None)
+            # text.padding (the encoder's rule, as in training): 'masked' masks the padding out of attention
+            mask = emb.mask_BT if getattr(self.text_encoder, "padding", "masked") == "masked" else None
+            out = self.dit(x_BLC, ids_BL3, emb.txt_BTD, t_B, emb.pooled_BP, g, txt_mask_BT=mask)
         return to_velocity(out.float(), x_BLC.float(), t_B, self.flow.prediction, t_min=1e-6)
 
     @torch.no_grad()

@@ -89,10 +89,10 @@ class MMDiT(nn.Module):
                            self.params.rope_theta)
         mask = None
         if txt_mask_BT is not None or img_mask_BL is not None:
+            # Built on the device whatever its values: no host sync to find out whether anything is masked.
             keep_t = txt_mask_BT if txt_mask_BT is not None else torch.ones(B, T, device=img.device)
             keep_i = img_mask_BL if img_mask_BL is not None else torch.ones(B, img.shape[1], device=img.device)
-            keys = torch.cat((keep_t.bool(), keep_i.bool()), 1)
-            mask = None if bool(keys.all()) else keys[:, None, None, :]
+            mask = torch.cat((keep_t.bool(), keep_i.bool()), 1)[:, None, None, :]
         for block in self.double_blocks:
             img, txt = block(img, txt, vec, rope, mask)
         x = torch.cat((txt, img), 1)

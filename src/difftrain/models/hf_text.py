@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.errors import UserError
-from difftrain.models.text import TextEmbedding, warn_truncated
+from difftrain.models.text import PADDING, TextEmbedding, text_length, warn_truncated
 
 # config model_type values each loader can build (checked first, for a clear message).
 _KINDS = {"t5": ("t5", "mt5"), "clip": ("clip", "clip_text_model")}
@@ -69,8 +69,11 @@ class HFTextEncoder(nn.Module):
     trainable = False
 
     def __init__(self, t5=None, t5_tokenizer=None, clip=None, clip_tokenizer=None, max_tokens: int = 512,
-                 paths: tuple[str, str] = ("", "")):
+                 paths: tuple[str, str] = ("", ""), padding: str = "masked"):
         super().__init__()
+        if padding not in PADDING:
+            raise UserError(f"text.padding = {padding!r}: expected one of {PADDING}")
+        self.padding = padding
         if t5 is None and clip is None:
             raise UserError("text.kind = 'hf' needs text.t5_path and/or text.clip_path")
         self.t5, self.t5_tokenizer, self.clip, self.clip_tokenizer = t5, t5_tokenizer, clip, clip_tokenizer
@@ -86,60 +89,68 @@ class HFTextEncoder(nn.Module):
 
     @classmethod
     def from_paths(cls, t5_path: str, clip_path: str, max_tokens: int = 512, dtype: str = "auto",
-                   device: torch.device | str | None = None) -> "HFTextEncoder":
+                   device: torch.device | str | None = None, padding: str = "masked") -> "HFTextEncoder":
         if not (t5_path or clip_path):
             raise UserError("text.kind = 'hf' needs text.t5_path and/or text.clip_path")
         dt = _resolve_dtype(dtype)
         t5, t5_tok = _load("t5", t5_path, dt) if t5_path else (None, None)
         clip, clip_tok = _load("clip", clip_path, dt) if clip_path else (None, None)
-        enc = cls(t5, t5_tok, clip, clip_tok, max_tokens, (t5_path, clip_path))
+        enc = cls(t5, t5_tok, clip, clip_tok, max_tokens, (t5_path, clip_path), padding)
         return enc.to(device) if device is not None else enc
 
     def train(self, mode: bool = True) -> "HFTextEncoder":
         # Frozen: a parent's .train() must not switch on T5's dropout.
         return super().train(False)
 
-    @staticmethod
-    def _encode(tokenizer, prompts: list[str], length: int) -> tuple[Tensor, Tensor]:
+    def _encode(self, tokenizer, prompts: list[str], limit: int, length: int | None) -> tuple[Tensor, Tensor]:
         # Count without truncation first, so the warning can say how long the prompt really was.
         counts = [len(ids) for ids in tokenizer(prompts, verbose=False)["input_ids"]]
         for prompt, n in zip(prompts, counts):
-            if n > length:
-                warn_truncated(prompt, n, length)
-        # Pad to the full length (as FLUX): static shapes for compilation and for cached embeddings.
-        out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
+            if n > limit:
+                warn_truncated(prompt, n, limit)
+        # 'padded': the full length, as FLUX. 'masked': a rung of the ladder holding the longest prompt (or
+        # ``length``), so a compiled model sees few text lengths.
+        pad_to = length or text_length(min(limit, max([1] + counts)), limit, self.padding)
+        out = tokenizer(prompts, padding="max_length", max_length=max(pad_to, 1), truncation=True,
                         return_tensors="pt")
         return out["input_ids"], out["attention_mask"].bool()
 
-    def tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
+    def tokenize(self, prompts: list[str], length: int | None = None) -> dict[str, Tensor]:
         tokens: dict[str, Tensor] = {}
         if self.t5 is not None:
-            tokens["t5_ids"], tokens["t5_mask"] = self._encode(self.t5_tokenizer, prompts, self.max_tokens)
+            tokens["t5_ids"], tokens["t5_mask"] = self._encode(self.t5_tokenizer, prompts, self.max_tokens, length)
         if self.clip is not None:
-            length = self.clip_limit if self.t5 is not None else self.max_tokens
-            tokens["clip_ids"], tokens["clip_mask"] = self._encode(self.clip_tokenizer, prompts, length)
+            limit = self.clip_limit if self.t5 is not None else self.max_tokens
+            # CLIP only pools for FLUX (T5 gives the sequence): always its own full length, as FLUX.
+            pad = limit if self.t5 is not None else length
+            tokens["clip_ids"], tokens["clip_mask"] = self._encode(self.clip_tokenizer, prompts, limit, pad)
         return tokens
 
     @torch.no_grad()
     def forward(self, tokens: dict[str, Tensor]) -> TextEmbedding:
         device = next(self.parameters()).device  # tokens are made on the CPU by data loaders
+        masked = self.padding == "masked"
         if self.t5 is not None:
-            # No attention_mask, as FLUX: its DiT was trained on T5 states computed over the padding
-            # too, so masking here would feed a pretrained FLUX different text features.
-            txt = self.t5(input_ids=tokens["t5_ids"].to(device)).last_hidden_state.float()
-            mask = tokens["t5_mask"].to(device)
+            # 'padded' passes no attention_mask, as FLUX: its DiT was trained on T5 states computed over the
+            # padding too. 'masked' passes it, so a caption's states do not depend on its padding.
+            t5_mask = tokens["t5_mask"].to(device)
+            txt = self.t5(input_ids=tokens["t5_ids"].to(device),
+                          attention_mask=t5_mask.long() if masked else None).last_hidden_state.float()
+            mask = t5_mask if masked else torch.ones_like(t5_mask)
         if self.clip is not None:
             # CLIP is causal and pools at the first EOS, so padding after it cannot change the pooled
             # vector; FLUX does not pass the mask either.
             out = self.clip(input_ids=tokens["clip_ids"].to(device))
             pooled = out.pooler_output.float()
             if self.t5 is None:
-                txt, mask = out.last_hidden_state.float(), tokens["clip_mask"].to(device)
+                clip_mask = tokens["clip_mask"].to(device)
+                txt, mask = out.last_hidden_state.float(), clip_mask if masked else torch.ones_like(clip_mask)
         else:
-            m = mask[..., None].to(txt.dtype)
+            m = t5_mask[..., None].to(txt.dtype)
             pooled = (txt * m).sum(1) / m.sum(1).clamp(min=1.0)
         return TextEmbedding(txt, pooled, mask)
 
     def extra_state(self) -> dict:
         """What a checkpoint needs to rebuild this encoder (the weights stay in their own folders)."""
-        return {"kind": "hf", "t5_path": self.paths[0], "clip_path": self.paths[1], "max_tokens": self.max_tokens}
+        return {"kind": "hf", "t5_path": self.paths[0], "clip_path": self.paths[1], "max_tokens": self.max_tokens,
+                "padding": self.padding}

@@ -6,6 +6,19 @@ Two kinds:
   DiT. It is how a world trained from scratch (the shapes world) gets text features.
 - ``HFTextEncoder`` (``hf_text.py``): frozen transformers T5 (sequence) and CLIP (pooled), as FLUX.
 Tokenizing is separate from encoding so data loaders can tokenize on the CPU ahead of time.
+
+**The text rule** (``text.padding``), one for every path that feeds the DiT text: the shapes source, the
+store with frozen-encoder states or with captions, dropped captions, CFG's unconditional branch, sample,
+eval and previews.
+- ``masked`` (default): encoders run with their attention mask, so a caption's states do not depend on how
+  far it is padded; sequences are padded to a rung of a short ladder (powers of two from 8 up to
+  ``max_tokens``, so a compiled run sees few text lengths); the DiT's attention masks the padding out. The
+  store keeps true-length states.
+- ``padded``: as FLUX.1 was trained: every caption is padded to ``max_tokens``, the encoder runs over the
+  padding without a mask and the DiT attends all ``max_tokens`` states (padding states included). The store
+  keeps all ``max_tokens`` states (4 MiB a sample for T5-XXL's 4096 wide states at 512 tokens in bf16).
+The empty caption is one position (a frozen encoder's end-of-sequence token; the word encoder's pad
+embedding) under ``masked``, never zero positions.
 """
 
 from __future__ import annotations
@@ -20,11 +33,37 @@ from torch import Tensor, nn
 PAD, UNK = "<pad>", "<unk>"
 
 
+PADDING = ("masked", "padded")
+MIN_RUNG = 8
+
+
 @dataclass
 class TextEmbedding:
     txt_BTD: Tensor      # sequence embedding for joint attention
     pooled_BP: Tensor    # pooled vector for adaLN modulation
-    mask_BT: Tensor      # True on real tokens (padding is attended anyway, as FLUX; kept for packing)
+    mask_BT: Tensor      # True where the DiT attends: real tokens under 'masked', every position under 'padded'
+
+
+def text_length(longest: int, max_tokens: int, padding: str) -> int:
+    """The length a batch's text is padded to under the rule: 'padded', ``max_tokens``; 'masked', the smallest
+    rung (8, 16, 32, ... and ``max_tokens`` itself) that holds the batch's ``longest`` sequence."""
+    if padding not in PADDING:
+        raise ValueError(f"text.padding = {padding!r}: expected one of {PADDING}")
+    if padding == "padded":
+        return max_tokens
+    rung = MIN_RUNG
+    while rung < longest:
+        rung *= 2
+    return max(1, min(rung, max_tokens))
+
+
+def real_lengths(tokens: dict[str, Tensor]) -> Tensor:
+    """Positions the DiT attends per prompt, from tokens on the host (no device sync): the word encoder's
+    non-pad ids (at least 1), a T5 mask, else a CLIP mask."""
+    if "ids" in tokens:
+        return (tokens["ids"] != 0).sum(1).clamp(min=1)
+    key = "t5_mask" if "t5_mask" in tokens else "clip_mask"
+    return tokens[key].sum(1)
 
 
 class PromptTooLong(UserWarning):
@@ -66,8 +105,11 @@ class WordTextEncoder(nn.Module):
     trainable = True
 
     def __init__(self, vocabulary: list[str], max_tokens: int = 16, dim: int = 128, layers: int = 1,
-                 heads: int = 4):
+                 heads: int = 4, padding: str = "masked"):
         super().__init__()
+        if padding not in PADDING:
+            raise ValueError(f"text.padding = {padding!r}: expected one of {PADDING}")
+        self.padding = padding
         self.vocabulary = [PAD, UNK] + [w for w in vocabulary if w not in (PAD, UNK)]
         self.index = {w: i for i, w in enumerate(self.vocabulary)}
         self.max_tokens, self.dim, self.pooled_dim = max_tokens, dim, dim
@@ -87,9 +129,10 @@ class WordTextEncoder(nn.Module):
         nn.init.normal_(self.embed.weight, std=1.0)
         nn.init.normal_(self.pos, std=0.5)
 
-    def tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
-        """Word ids padded to the batch's longest prompt (not to max_tokens): short captions then cost
-        few text tokens, which matters when text is a third of a small model's sequence."""
+    def tokenize(self, prompts: list[str], length: int | None = None) -> dict[str, Tensor]:
+        """Word ids padded to ``length``, by default the rule's length for the batch's longest prompt ('masked':
+        a rung of the ladder, so short captions cost few text tokens, which matters when text is a third of a
+        small model's sequence; 'padded': ``max_tokens``)."""
         rows: list[list[str]] = []
         for prompt in prompts:
             words = words_of(prompt)
@@ -97,7 +140,9 @@ class WordTextEncoder(nn.Module):
                 warn_truncated(prompt, len(words), self.max_tokens)
                 words = words[: self.max_tokens]
             rows.append(words)
-        ids = torch.zeros(len(prompts), max([1] + [len(r) for r in rows]), dtype=torch.long)
+        longest = max([1] + [len(r) for r in rows])
+        ids = torch.zeros(len(prompts), max(longest, length or text_length(longest, self.max_tokens, self.padding)),
+                          dtype=torch.long)
         unknown: set[str] = set()
         for row, words in enumerate(rows):
             for col, w in enumerate(words):
@@ -111,16 +156,19 @@ class WordTextEncoder(nn.Module):
 
     def forward(self, tokens: dict[str, Tensor]) -> TextEmbedding:
         ids = tokens["ids"]
-        mask = ids != 0
+        real = ids != 0
+        real[:, 0] = True                       # the empty prompt is one position: the pad embedding
         x = self.embed(ids) + self.pos[: ids.shape[1]]
+        pad_mask = ~real if self.padding == "masked" else None
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, src_key_padding_mask=pad_mask)
         x = self.norm(x)
-        m = mask[..., None].to(x.dtype)
-        pooled = (x * m).sum(1) / m.sum(1).clamp(min=1.0)
+        m = real[..., None].to(x.dtype)
+        pooled = (x * m).sum(1) / m.sum(1)
+        mask = real if self.padding == "masked" else torch.ones_like(real)
         return TextEmbedding(x, pooled, mask)
 
     def extra_state(self) -> dict:
         """What a checkpoint needs to rebuild this encoder (the vocabulary is data, not code)."""
         return {"kind": "words", "vocabulary": self.vocabulary[2:], "max_tokens": self.max_tokens,
-                "dim": self.dim, "layers": len(self.layers)}
+                "dim": self.dim, "layers": len(self.layers), "padding": self.padding}

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from difftrain.data.batch import Batch
 from difftrain.diffusion.flow import FlowSpec, draw_t_and_noise, flow_loss, loss_weight, noisy_input, to_velocity
 from difftrain.diffusion.pipeline import autocast
-from difftrain.models.text import TextEmbedding
+from difftrain.models.text import TextEmbedding, real_lengths
 from difftrain.parallel.cp import shard_sequence
 from difftrain.parallel.flops import step_flops
 
@@ -37,9 +37,10 @@ class Denoiser:
     on this rank's 1/cp of every sequence (padding masked out of attention)."""
 
     def __init__(self, model: nn.ModuleDict, text_encoder: nn.Module, device: torch.device,
-                 amp: torch.dtype | None, cp: int = 1, cp_rank: int = 0):
+                 amp: torch.dtype | None, cp: int = 1, cp_rank: int = 0, padding: str = "masked"):
         self.dit, self.text_encoder = model["dit"], text_encoder
         self.device, self.amp, self.cp, self.cp_rank = device, amp, cp, cp_rank
+        self.masked = padding == "masked"      # text.padding: mask padding out of the DiT's attention
 
     def on_device(self, batch: Batch) -> Batch:
         b = batch.to(self.device, non_blocking=True)
@@ -61,22 +62,30 @@ class Denoiser:
         B = len(b)
         # Guidance-distilled models (FLUX.1-dev) are fine-tuned with the embedded guidance at 1.
         g = torch.ones(B, device=self.device) if self.dit.params.guidance_embed else None
-        txt, txt_mask, img_mask, ids = emb.txt_BTD, None, None, b.ids_BL3
+        txt, img_mask, ids = emb.txt_BTD, None, b.ids_BL3
+        txt_mask = emb.mask_BT.to(self.device, non_blocking=True) if self.masked else None
         if self.cp > 1:
-            ones_t = torch.ones(txt.shape[:2], dtype=torch.bool, device=self.device)
+            keep_t = txt_mask if txt_mask is not None else torch.ones(txt.shape[:2], dtype=torch.bool,
+                                                                       device=self.device)
             ones_i = torch.ones(xt_BLC.shape[:2], dtype=torch.bool, device=self.device)
-            txt, txt_mask = self.local(txt), self.local(ones_t, False)
+            txt, txt_mask = self.local(txt), self.local(keep_t, False)
             xt_BLC, ids, img_mask = self.local(xt_BLC), self.local(ids), self.local(ones_i, False)
         with autocast(self.device, self.amp):
             out = self.dit(xt_BLC, ids, txt, t_B, emb.pooled_BP, g, txt_mask_BT=txt_mask, img_mask_BL=img_mask)
         return out, xt_BLC
 
-    def cost(self, b: Batch, emb: TextEmbedding) -> tuple[int, float]:
-        """(real tokens, training FLOPs) of one forward/backward pass over the micro-batch."""
-        L = b.x0_BLC.shape[1]
-        txt_real = emb.mask_BT.sum(1).tolist()
+    def cost(self, batch: Batch) -> tuple[int, float]:
+        """(real tokens, training FLOPs) of one forward/backward pass over the micro-batch, from its host-side
+        tensors (no device sync): the text positions the DiT attends ('masked': real tokens; 'padded': all)."""
+        L = batch.x0_BLC.shape[1]
+        if batch.text is not None:
+            T, lengths = batch.text.mask_BT.shape[1], batch.text.mask_BT.sum(1)
+        else:
+            first = next(iter(batch.tokens.values()))
+            T, lengths = first.shape[1], real_lengths(batch.tokens)
+        txt_real = lengths.tolist() if self.masked else [T] * len(batch)
         flops = step_flops(self.dit.params, [(L, int(n)) for n in txt_real])
-        return len(b) * L + int(sum(txt_real)), float(flops)
+        return len(batch) * L + int(sum(txt_real)), float(flops)
 
 
 class Objective(Protocol):
@@ -118,7 +127,7 @@ class FlowMatching:
         x0, eps, mask = model.local(b.x0_BLC), model.local(eps), model.local(b.loss_mask_BL, False)
         v = to_velocity(out.float(), xt, t, self.spec.prediction)
         loss = flow_loss(v, x0, eps, mask, loss_weight(t, self.spec.loss), normalizer=normalizer)
-        return MicroLoss(loss, *model.cost(b, emb))
+        return MicroLoss(loss, *model.cost(batch))
 
     def metrics(self, loss: float, task: str) -> dict[str, float]:
         return {"loss": loss, f"loss_{task}": loss}

@@ -110,7 +110,8 @@ class Trainer:
         self.text_encoder = build_text_encoder(cfg, vocab, self.device)
         self.model = self._build_model(found is None)
         self.dit = self.model["dit"]
-        self.denoiser = Denoiser(self.model, self.text_encoder, self.device, self.amp, self.env.cp, self.env.cp_rank)
+        self.denoiser = Denoiser(self.model, self.text_encoder, self.device, self.amp, self.env.cp, self.env.cp_rank,
+                                 cfg.text.padding)
         self.flow = FlowSpec.from_config(cfg.diffusion)     # sampling (previews, eval) follows the training flow
         self.optimizer = self._build_optimizer()
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
