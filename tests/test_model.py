@@ -396,3 +396,36 @@ def test_absolute_position_embedding_breaks_translation_invariance():
         b = m(x, ids + 5, txt, t, pooled, txt_ids_BT3=txt_ids + 5)
         assert torch.allclose(a, b, atol=1e-4) != abs_pos
     assert "pos_in.proj.weight" in dict(m.named_parameters())
+
+
+def test_centre_positions_give_the_centre_square_one_code_on_every_canvas():
+    """model.positions = 'centre': ids count from each grid's centre, so the middle 3x3 tokens of a 3x5 (5:3)
+    grid get the 3x3 grid's ids, and a DiT sees the same scene tokens there as on the square; 'corner' (FLUX)
+    does not. The extent can be given (context parallelism holds part of a sequence)."""
+    from difftrain.models.dit import centred_ids
+    from difftrain.tokens import image_ids
+
+    sq = centred_ids(image_ids(3, 3)[None])
+    wide = centred_ids(image_ids(3, 5)[None])
+    middle = wide[0].reshape(3, 5, 3)[:, 1:4].reshape(9, 3)
+    assert torch.equal(middle, sq[0]) and sq[0, 0].tolist() == [0.0, -1.0, -1.0]
+    part = image_ids(3, 5)[None, :7]                                     # a rank's share of the sequence
+    assert torch.equal(centred_ids(part, torch.tensor([[3, 5]])), wide[:, :7])
+    torch.manual_seed(0)
+    outs = {}
+    for positions in ("centre", "corner"):
+        p = DiTParams(in_channels=8, text_dim=8, pooled_dim=4, hidden=32, heads=2, double_blocks=1, single_blocks=1,
+                      axes_dims_rope=(4, 6, 6), abs_pos_embed=True, positions=positions)
+        m = MMDiT(p).eval()
+        m.init_weights("default")
+        scene = torch.randn(1, 9, 8)
+        canvas = torch.zeros(1, 3, 5, 8)
+        canvas[:, :, 1:4] = scene.reshape(1, 3, 3, 8)
+        txt, t, pooled = torch.randn(1, 4, 8), torch.tensor([0.5]), torch.randn(1, 4)
+        with torch.no_grad():
+            a = m(scene, image_ids(3, 3)[None], txt, t, pooled)
+            b = m(canvas.reshape(1, 15, 8), image_ids(3, 5)[None], txt, t, pooled).reshape(1, 3, 5, 8)[:, :, 1:4]
+        outs[positions] = (a.reshape(1, 3, 3, 8) - b).abs().max()
+    assert outs["centre"] < outs["corner"]          # the margins still attend, so not identical; far closer
+    with pytest.raises(ValueError, match="positions"):
+        DiTParams(positions="middle")

@@ -78,14 +78,20 @@ def test_export_is_deterministic_for_a_seed(tmp_path):
 
 
 def test_canvas_sizes_and_widen():
+    """Margins are whole 16-pixel tokens on each side, so the scene sits on the square canvas's token grid."""
     assert canvas_size(48, 1.0) == (48, 48)
-    assert canvas_size(48, 4 / 3) == (64, 48) and canvas_size(48, 3 / 4) == (48, 64)
-    assert canvas_size(96, 4 / 3) == (128, 96) and canvas_size(96, 3 / 4) == (96, 128)
+    assert canvas_size(48, 5 / 3) == (80, 48) and canvas_size(48, 3 / 5) == (48, 80)
+    assert canvas_size(96, 5 / 3) == (160, 96) and canvas_size(96, 4 / 3) == (128, 96)
+    assert canvas_size(48, 4 / 3) == (80, 48)                   # a half-token margin is rounded up to a token
+    assert canvas_size(48, 4 / 3, align=8) == (64, 48)          # the earlier half-token layout
+    for size, aspect in ((48, 5 / 3), (48, 3 / 5), (96, 5 / 3), (96, 4 / 3), (64, 2.0)):
+        w, h = canvas_size(size, aspect)
+        assert (w - size) % 32 == 0 and (h - size) % 32 == 0    # 16 px a side, whole tokens
     img = ShapesWorld(0, size=48).t2i(5)[0]
-    wide = widen(img, 4 / 3)
-    assert wide.shape == (48, 64, 3)
-    assert (wide[:, :8] == img[0, 0]).all() and (wide[:, -8:] == img[0, 0]).all()
-    assert np.array_equal(centre_crop(wide), img) and np.array_equal(centre_crop(widen(img, 3 / 4)), img)
+    wide = widen(img, 5 / 3)
+    assert wide.shape == (48, 80, 3)
+    assert (wide[:, :16] == img[0, 0]).all() and (wide[:, -16:] == img[0, 0]).all()
+    assert np.array_equal(centre_crop(wide), img) and np.array_equal(centre_crop(widen(img, 3 / 5)), img)
 
 
 def test_clean_images_are_the_world_scene_on_a_widened_canvas(export):
@@ -99,13 +105,13 @@ def test_clean_images_are_the_world_scene_on_a_widened_canvas(export):
         img = np.asarray(Image.open(out / "t2i" / (v["key"] + ".png")).convert("RGB"))
         h, w = img.shape[:2]
         side = min(h, w)
-        assert side in (48, 96) and (h == w or max(h, w) % 16 == 0)
+        assert side in (48, 96) and (h == w or (max(h, w) - side) % 32 == 0)
         seen_shapes.add((w, h))
         world_img, caption, _ = worlds[side].t2i(i)
         assert np.array_equal(centre_crop(img), world_img), v["key"]
         side_json = json.loads((out / "t2i" / (v["key"] + ".json")).read_text())
         assert side_json["caption"] == caption and 0.8 <= side_json["quality"] <= 1.0
-    assert seen_shapes == {(48, 48), (64, 48), (48, 64), (96, 96), (128, 96), (96, 128)}
+    assert seen_shapes == {(48, 48), (80, 48), (48, 80), (96, 96), (160, 96), (96, 160)}
     for v in summary["variants"]["wrong_caption"]:
         if v["source"] == SOURCE_NAMES["t2i"]:
             i = int(v["key"].rsplit("_", 1)[1])

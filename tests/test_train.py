@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,3 +198,33 @@ def test_previews_during_training_show_the_prompts_file_when_given(tiny_cfg, tmp
     tr.close()
     assert tr.preview_prompts == ["a large red circle in the top left", "a small blue square in the center"]
     assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()
+
+
+def test_eval_judges_every_bucket_of_the_last_stage(tiny_cfg, monkeypatch):
+    """A run trained over aspect buckets is evaluated at each bucket of its last stage: the scene centred on the
+    bucket's canvas (given frames too), generated at the canvas size, its centre square scored; the mean at the
+    top level, each bucket under by_bucket."""
+    from difftrain.diffusion.pipeline import Pipeline
+    from difftrain.evaluate import EVAL_KEYS, eval_buckets, evaluate_buckets
+    from difftrain.models import build_autoencoder, build_model, build_text_encoder
+    from difftrain.shapes.captions import vocabulary
+    from difftrain.diffusion.flow import FlowSpec
+
+    stages = ('[{name = "a", start_step = 0, buckets = [[32, 32]]}, '
+              '{name = "b", start_step = 5, buckets = [[32, 32], [32, 48], [48, 32]]}]')
+    cfg = tiny_cfg(f"data.stages={stages}")
+    assert eval_buckets(cfg) == [("32x32", 32, (32, 32)), ("32x48", 32, (32, 48)), ("48x32", 32, (48, 32))]
+    ae = build_autoencoder(cfg.autoencoder.kind, cfg.autoencoder.factor)
+    text = build_text_encoder(cfg, vocabulary())
+    pipe = Pipeline(build_model(cfg, text, ae, "cpu").eval(), text, ae, FlowSpec.from_config(cfg.diffusion))
+    shapes = []
+    original = pipe.sample
+    monkeypatch.setattr(pipe, "sample", lambda batch, *a, **k: shapes.append(batch.grid) or original(batch, *a, **k))
+    metrics, gens = evaluate_buckets(pipe, cfg, 0, 2, 2, 1.0, heldout=False)
+    assert metrics["buckets"] == ["32x32", "32x48", "48x32"] and metrics["stage"] == "b"
+    assert set(metrics["by_bucket"]) == set(metrics["buckets"]) and set(EVAL_KEYS) <= set(metrics)
+    f = cfg.autoencoder.factor
+    assert {(h, w) for _, h, w in shapes} == {(32 // f, 32 // f), (32 // f, 48 // f), (48 // f, 32 // f)}
+    assert all(img.shape[:2] == (32, 32) for g in gens for img in g.images)       # scored: the centre square
+    mean = np.mean([m["t2i_color_acc"] for m in metrics["by_bucket"].values()])
+    assert metrics["t2i_color_acc"] == pytest.approx(mean, abs=1e-4)

@@ -134,7 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("dir", help="output directory")
     ex.add_argument("--seed", type=int, default=0, help="world seed (default 0)")
     ex.add_argument("--n", type=int, nargs=3, default=None, metavar=("T2I", "EDIT", "KEYFRAMES"),
-                    help="examples per task")
+                    help="examples per task (default: from --config, else 600 400 200)")
+    ex.add_argument("--config", default=None,
+                    help="size the export for this training config (path or preset): its buckets' scene sizes and "
+                         "aspects, its frames and motion, and per task enough scenes for --epochs passes of the run")
+    ex.add_argument("--epochs", type=float, default=16.0,
+                    help="with --config: about how often the run sees each scene (default 16)")
 
     p = sub.add_parser("config", help="inspect configs", description="Inspect configs.")
     csub = p.add_subparsers(dest="config_verb", required=True, metavar="ACTION")
@@ -265,23 +270,31 @@ def cmd_sample(args) -> int:
 def cmd_eval(args) -> int:
     _check_positive("--n", args.n)
     _check_positive("--steps", args.steps)
-    from difftrain.shapes import world_from_config
-    from difftrain.evaluate import EVAL_KEYS, evaluate
+    from difftrain.evaluate import EVAL_KEYS, eval_buckets, evaluate_buckets
     from difftrain.images import caption_grid
     from difftrain.inference import guidance_scale, load_pipeline
 
     pipe, cfg, _ = load_pipeline(args.checkpoint)
     world_seed, noise_seed = (cfg.eval.seed, cfg.sample.seed) if args.seed is None else (args.seed, args.seed)
-    metrics, gens = evaluate(pipe, world_from_config(cfg.data, world_seed), args.n or cfg.eval.n,
-                             args.steps or cfg.sample.steps,
-                             guidance_scale(cfg, args.cfg_scale), noise_seed, cfg.eval.keyframe_given)
+    buckets = [name for name, _, _ in eval_buckets(cfg)]
+    print(f"evaluating at {len(buckets)} bucket(s) of the last stage: {', '.join(buckets)}"
+          + (" (accuracies: their mean; per bucket under by_bucket)" if len(buckets) > 1 else ""), file=sys.stderr)
+    metrics, gens = evaluate_buckets(pipe, cfg, world_seed, args.n or cfg.eval.n, args.steps or cfg.sample.steps,
+                                     guidance_scale(cfg, args.cfg_scale), noise_seed)
     if args.grid:
         caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
     if args.json:
-        print(json.dumps({k: metrics[k] for k in EVAL_KEYS}))
+        print(json.dumps({**{k: metrics[k] for k in EVAL_KEYS}, "stage": metrics["stage"],
+                          "buckets": metrics["buckets"],
+                          "by_bucket": {b: {k: m[k] for k in EVAL_KEYS} for b, m in metrics["by_bucket"].items()}}))
     else:
         for k, v in metrics.items():
-            print(f"{k:18s} {v}")
+            if k != "by_bucket":
+                print(f"{k:18s} {v}")
+        if len(buckets) > 1:
+            for b, m in metrics["by_bucket"].items():
+                print(f"{b:18s} " + " ".join(f"{k}={m[k]}" for k in ("t2i_color_acc", "t2i_position_acc",
+                                                                      "t2i_shape_acc", "edit_acc", "keyframe_acc")))
     return 0
 
 
@@ -307,6 +320,16 @@ def cmd_shapes(args) -> int:
     from difftrain.shapes.export import export_shapes
 
     kwargs = {"seed": args.seed}
+    if args.config is not None:
+        from difftrain.config import load_config
+        from difftrain.shapes.export import export_plan
+
+        if args.epochs <= 0:
+            raise UserError(f"--epochs {args.epochs}: expected a positive number")
+        try:
+            kwargs.update(export_plan(load_config(resolve_config(args.config), []), args.epochs))
+        except ValueError as e:
+            raise UserError(f"--config {args.config}: {e}") from None
     if args.n is not None:
         if min(args.n) < 0:
             raise UserError(f"--n {args.n}: expected counts >= 0")

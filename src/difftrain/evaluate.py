@@ -38,8 +38,11 @@ class Generated:
 
 
 def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[int], steps: int, cfg_scale: float,
-                  seed: int, keyframe_given: str = "first", batch_size: int = 32) -> list[Generated]:
-    """Generate and score examples ``indices`` of ``task`` from ``world`` (whichever split it is)."""
+                  seed: int, keyframe_given: str = "first", batch_size: int = 32,
+                  canvas: tuple[int, int] | None = None) -> list[Generated]:
+    """Generate and score examples ``indices`` of ``task`` from ``world`` (whichever split it is). ``canvas``:
+    generate on an (h, w) canvas with the world's scene centred on it (given frames placed so), and score the
+    centre square, as the exported world lays scenes on aspect buckets."""
     if task == "keyframes" and keyframe_given not in KEYFRAME_MODES:
         raise ValueError(f"keyframe_given must be one of {', '.join(KEYFRAME_MODES)}, got {keyframe_given!r}")
     split = getattr(world, "split", "train")
@@ -50,8 +53,11 @@ def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[i
         if task == "keyframes":
             k = world.frames
             targets = [[f != 0 if keyframe_given == "first" else True for f in range(k)] for _ in chunk]
-        batch = make_batch(world, pipe.autoencoder, pipe.text_encoder.tokenize, task, chunk, targets)
+        batch = make_batch(world, pipe.autoencoder, pipe.text_encoder.tokenize, task, chunk, targets, canvas=canvas)
         imgs = pipe.to_images(pipe.sample(batch, steps, cfg_scale, seed=seed + lo))
+        if canvas is not None:                     # the scene: the centre square
+            top, left = (canvas[0] - world.size) // 2, (canvas[1] - world.size) // 2
+            imgs = np.ascontiguousarray(imgs[:, :, top:top + world.size, left:left + world.size])
         for b, m in enumerate(batch.meta):
             if task == "t2i":
                 s = score_t2i(imgs[b, 0], m["spec"])
@@ -85,7 +91,7 @@ def _split_metrics(results: dict[str, list[Generated]], keyframe_given: str) -> 
 
 def evaluate(pipe: Pipeline, world: ShapesWorld, n: int, steps: int, cfg_scale: float, sample_seed: int = 0,
              keyframe_given: str = "first", tasks: tuple[str, ...] = ("t2i", "edit", "keyframes"),
-             heldout: bool = True) -> tuple[dict, list[Generated]]:
+             heldout: bool = True, canvas: tuple[int, int] | None = None) -> tuple[dict, list[Generated]]:
     """Accuracies over the first ``n`` examples per task, on seen and on held-out combinations.
 
     ``world`` gives the seed, image size, frames, background and motion; its training split supplies
@@ -96,6 +102,7 @@ def evaluate(pipe: Pipeline, world: ShapesWorld, n: int, steps: int, cfg_scale: 
     ``one_shape_rate`` is the fraction of generated images (t2i images, edit outputs, predicted
     keyframes) read as exactly one shape with no ghost of an edit's source. A task not asked for
     reports None. Generations come back seen first, in task order, the configured keyframe mode first.
+    ``canvas``: generate on an (h, w) canvas around the world's scene and score its centre (``generate_task``).
     """
     if keyframe_given not in KEYFRAME_MODES:
         raise ValueError(f"keyframe_given must be one of {', '.join(KEYFRAME_MODES)}, got {keyframe_given!r}")
@@ -110,14 +117,50 @@ def evaluate(pipe: Pipeline, world: ShapesWorld, n: int, steps: int, cfg_scale: 
             if task == "keyframes":
                 for mode in modes:
                     results[f"keyframes_{mode}"] = generate_task(pipe, w, task, list(range(n)), steps, cfg_scale,
-                                                                 sample_seed, mode)
+                                                                 sample_seed, mode, canvas=canvas)
             else:
-                results[task] = generate_task(pipe, w, task, list(range(n)), steps, cfg_scale, sample_seed)
+                results[task] = generate_task(pipe, w, task, list(range(n)), steps, cfg_scale, sample_seed,
+                                              canvas=canvas)
         metrics.update({prefix + k: v for k, v in _split_metrics(results, keyframe_given).items()})
         gens += [g for rows in results.values() for g in rows]
     if not heldout:
         metrics.update({HELDOUT_PREFIX + k: None for k in SPLIT_KEYS})
     metrics["n"] = n
+    return metrics, gens
+
+
+def eval_buckets(cfg) -> list[tuple[str, int, tuple[int, int]]]:
+    """(name, scene side, canvas (h, w)) of every bucket of the config's last stage (``data.stages``; by
+    default one ``data.image_size`` square): a bucket's scene is its short side, centred as the exported world
+    places it."""
+    from difftrain.config.stages import parse_stages
+
+    stage = parse_stages(cfg)[-1]
+    return [(b.name, min(b.h, b.w), (b.h, b.w)) for b in stage.buckets]
+
+
+def evaluate_buckets(pipe: Pipeline, cfg, world_seed: int, n: int, steps: int, cfg_scale: float,
+                     sample_seed: int = 0, tasks: tuple[str, ...] = ("t2i", "edit", "keyframes"),
+                     heldout: bool = True) -> tuple[dict, list[Generated]]:
+    """``evaluate`` at every bucket (resolution and aspect) of the config's last stage: the accuracies of each
+    under ``by_bucket``, their mean at the top level (the keys of ``evaluate``), and the buckets evaluated
+    (``buckets``, ``stage``). A run trained over aspect buckets is judged where it was trained."""
+    from difftrain.config.stages import parse_stages
+    from difftrain.shapes import world_from_config
+
+    base = world_from_config(cfg.data, world_seed)
+    per: dict[str, dict] = {}
+    gens: list[Generated] = []
+    for name, side, canvas in eval_buckets(cfg):
+        world = ShapesWorld(base.seed, side, base.frames, base.bg_range, base.motion)
+        m, g = evaluate(pipe, world, n, steps, cfg_scale, sample_seed, cfg.eval.keyframe_given, tasks, heldout,
+                        canvas=None if canvas == (side, side) else canvas)
+        per[name], gens = m, gens + g
+    metrics: dict = {}
+    for key in EVAL_KEYS:
+        vals = [m[key] for m in per.values() if m.get(key) is not None]
+        metrics[key] = (n if key == "n" else round(float(np.mean(vals)), 4)) if vals else None
+    metrics.update(by_bucket=per, buckets=list(per), stage=parse_stages(cfg)[-1].name)
     return metrics, gens
 
 

@@ -49,6 +49,10 @@ class ModelConfig:
     abs_pos_embed: bool = meta("add fixed sin/cos features of (index, row, col) to image tokens (not in FLUX, "
                                "which locates tokens by RoPE alone; helps small models learn placement fast)",
                                default=False)
+    positions: str = meta("where image position ids (row, col) start: 'corner' (0 at the top left, as FLUX) or "
+                          "'centre' (0 at the image centre, so a place relative to the centre has one code at every "
+                          "aspect ratio and size of a bucket: what training over aspect buckets needs from a model "
+                          "trained from scratch)", choices=("corner", "centre"), default="corner")
     init: str = meta("parameter initialisation; 'zero-out' zeroes modulation gates and the output head "
                      "(adaLN-zero) so every block starts as identity", choices=("zero-out", "default"),
                      default="zero-out")

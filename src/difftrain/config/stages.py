@@ -11,7 +11,7 @@ batch, the data-parallel size and that micro-batch, so balance and elastic resum
     [[data.stages]]
     name = "low"
     start_step = 0
-    buckets = [[48, 48], [48, 64], [64, 48]]     # or: area = 2304, aspects = [0.75, 1.0, 1.33]
+    buckets = [[48, 48], [48, 80], [80, 48]]     # or: area = 2304, aspects = [0.6, 1.0, 1.67]
     global_batch = 32                            # per bucket, or {size = [h, w], global_batch = ..} entries
     micro_cost = 1024                            # 0 = train.micro_batch
     mixture = {shapes-t2i = 0.2, shapes-edit = 0.5, shapes-keyframes = 0.3}

@@ -38,6 +38,7 @@ def dit_params(cfg: Config, in_channels: int | None = None, text_dim: int | None
     return DiTParams(hidden=m.hidden, heads=m.heads, double_blocks=m.double_blocks, single_blocks=m.single_blocks,
                      mlp_ratio=m.mlp_ratio, axes_dims_rope=tuple(m.axes_dims_rope), rope_theta=m.rope_theta,
                      guidance_embed=m.guidance_embed, qkv_bias=m.qkv_bias, abs_pos_embed=m.abs_pos_embed,
+                     positions=m.positions,
                      **resolved)
 
 

@@ -35,6 +35,7 @@ class DiTParams:
     guidance_embed: bool = False
     qkv_bias: bool = True
     abs_pos_embed: bool = False    # not in FLUX: learned absolute positions of image tokens (PositionEmbedder)
+    positions: str = "corner"      # image ids from the top left (FLUX) or from the image centre ('centre')
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
@@ -42,6 +43,8 @@ class DiTParams:
         if sum(self.axes_dims_rope) != self.hidden // self.heads:
             raise ValueError(f"axes_dims_rope {tuple(self.axes_dims_rope)} must sum to the head dim "
                              f"{self.hidden // self.heads}")
+        if self.positions not in ("corner", "centre"):
+            raise ValueError(f"positions must be 'corner' or 'centre', got {self.positions!r}")
         if any(d % 2 for d in self.axes_dims_rope):
             raise ValueError(f"axes_dims_rope {tuple(self.axes_dims_rope)} must be even")
         for name in ("in_channels", "text_dim", "pooled_dim"):
@@ -71,10 +74,15 @@ class MMDiT(nn.Module):
 
     def forward(self, img_BLC: Tensor, img_ids_BL3: Tensor, txt_BTD: Tensor, t_B: Tensor, pooled_BP: Tensor,
                 guidance_B: Tensor | None = None, txt_ids_BT3: Tensor | None = None,
-                txt_mask_BT: Tensor | None = None, img_mask_BL: Tensor | None = None) -> Tensor:
+                txt_mask_BT: Tensor | None = None, img_mask_BL: Tensor | None = None,
+                img_extent_B2: Tensor | None = None) -> Tensor:
         """Predict (B, L, C) for every image token; the caller decides which tokens the loss sees.
-        ``txt_mask_BT`` / ``img_mask_BL`` (True = real) mask padding out of attention as keys."""
+        ``txt_mask_BT`` / ``img_mask_BL`` (True = real) mask padding out of attention as keys.
+        ``img_extent_B2``: (rows, cols) of each sample's token grid, for 'centre' positions when the sequence is
+        only part of the image (context parallelism); by default read from the ids."""
         B, T = txt_BTD.shape[:2]
+        if self.params.positions == "centre":
+            img_ids_BL3 = centred_ids(img_ids_BL3, img_extent_B2)
         img, txt = self.img_in(img_BLC), self.txt_in(txt_BTD)
         if self.pos_in is not None:
             img = img + self.pos_in(img_ids_BL3)
@@ -133,6 +141,15 @@ class MMDiT(nn.Module):
             if name not in rules:
                 raise TypeError(f"no initialisation rule for parameter {name!r}")  # a new module type: add a rule
             write(param, _init_value(rules[name], param, _generator(seed, name, param.device)))
+
+
+def centred_ids(ids_BL3: Tensor, extent_B2: Tensor | None = None) -> Tensor:
+    """(index, row, col) ids with row and col counted from the centre of each sample's token grid (float):
+    a 3x3 grid's -1, 0, 1; a 3x5 grid's columns -2 .. 2, whose middle three are the 3x3 grid's. ``extent_B2``:
+    (rows, cols) per sample, else the largest ids + 1. Device ops only (no host sync)."""
+    pos = ids_BL3.float()
+    extent = ids_BL3[..., 1:].amax(dim=1).float() + 1 if extent_B2 is None else extent_B2.float()
+    return torch.cat((pos[..., :1], pos[..., 1:] - (extent[:, None, :] - 1) / 2), dim=-1)
 
 
 Init = str   # "xavier" | "normal" | "zeros" | "ones"

@@ -151,6 +151,9 @@ def diffusers_config(p: DiTParams) -> dict[str, Any]:
     """The diffusers config that ``params_from_diffusers_config`` maps back to ``p``."""
     if p.mlp_ratio != 4.0 or not p.qkv_bias or p.rope_theta != 10000.0:
         raise ValueError("diffusers' FluxTransformer2DModel fixes mlp_ratio 4, qkv bias and rope theta 10000")
+    if p.positions != "corner":
+        raise ValueError("diffusers' FluxTransformer2DModel counts positions from the corner (model.positions = "
+                         f"'corner'), not {p.positions!r}")
     if p.abs_pos_embed:
         raise ValueError("diffusers' FluxTransformer2DModel has no absolute position embedding (abs_pos_embed)")
     return {"patch_size": 1, "in_channels": p.in_channels, "out_channels": None, "num_layers": p.double_blocks,

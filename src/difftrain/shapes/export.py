@@ -13,9 +13,10 @@ Layout under ``out_dir``::
     export.json                        settings, counts and the (source, key) of every variant
 
 Each example gets a base size from ``sizes`` and an aspect from ``aspects``: the square scene is
-rendered at the size, then the canvas is widened (aspect > 1) or heightened (< 1) to a multiple of
-16 and the margin filled with the scene's own background, so a centre crop recovers the scene and
-the caption stays true.
+rendered at the size, then the canvas is widened (aspect > 1) or heightened (< 1) by a whole number of
+16-pixel tokens on each side (``canvas_size``) and the margin filled with the scene's own background, so a
+centre crop recovers the scene, the caption stays true and the scene sits on the same token grid as on a
+square canvas.
 
 Every example has a ``quality`` score: clean ones 0.8-1.0; a ``degraded`` fraction of each task is
 blurred, noised or given another example's caption, with quality below 0.3. A handful of t2i folder
@@ -50,21 +51,36 @@ CLEAN_QUALITY = (0.8, 1.0)
 BAD_QUALITY = (0.05, 0.28)
 
 
-def canvas_size(size: int, aspect: float) -> tuple[int, int]:
-    """(width, height) of a square scene of side ``size`` widened/heightened to ``aspect`` = w/h."""
+TOKEN_PX = 16   # pixels of one DiT token at the shapes presets' geometry (autoencoder factor 8, 2x2 patches)
+
+
+def canvas_size(size: int, aspect: float, align: int = TOKEN_PX) -> tuple[int, int]:
+    """(width, height) of a square scene of side ``size`` widened/heightened towards ``aspect`` = w/h, with a
+    margin on each side that is a whole number (at least 1) of ``align``-pixel tokens: so the scene's cells
+    fall on the same token boundaries on every canvas, as they do on the square one. (A 48-pixel scene on a
+    64-pixel 4:3 canvas would sit half a token off, and every place in it would be other token content than
+    on the square: a model trained over both buckets then learns each separately.) 48 -> 80 and 96 -> 160
+    for 5:3."""
     if abs(aspect - 1.0) < 1e-9:
         return size, size
-    if aspect > 1:
-        return max(size, 16 * round(size * aspect / 16)), size
-    return size, max(size, 16 * round(size / aspect / 16))
+    long = size * (aspect if aspect > 1 else 1 / aspect)
+    margin = align * max(1, round((long - size) / (2 * align)))
+    return (size + 2 * margin, size) if aspect > 1 else (size, size + 2 * margin)
 
 
-def widen(img: np.ndarray, aspect: float) -> np.ndarray:
-    """Centre a square (S, S, 3) image on a canvas of the aspect, filled with its corner pixel."""
+def widen(img: np.ndarray, aspect: float, align: int = TOKEN_PX) -> np.ndarray:
+    """Centre a square (S, S, 3) image on a canvas of the aspect (``canvas_size``), filled with its corner pixel."""
+    w, h = canvas_size(img.shape[0], aspect, align)
+    return on_canvas(img, h, w)
+
+
+def on_canvas(img: np.ndarray, h: int, w: int) -> np.ndarray:
+    """Centre an (S, S, 3) image on an h x w canvas (h, w >= S) filled with its corner pixel."""
     size = img.shape[0]
-    w, h = canvas_size(size, aspect)
-    if (w, h) == (size, size):
+    if (h, w) == (size, size):
         return img
+    if h < size or w < size:
+        raise ValueError(f"a {size}x{size} scene does not fit on a {h}x{w} canvas")
     out = np.empty((h, w, 3), dtype=np.uint8)
     out[:] = img[0, 0]
     top, left = (h - size) // 2, (w - size) // 2
@@ -134,6 +150,37 @@ def _assign_degraded(seed: int, task: str, n: int, fraction: float) -> dict[int,
     return {int(i): DEGRADED_KINDS[j % len(DEGRADED_KINDS)] for j, i in enumerate(sorted(perm))}
 
 
+def export_plan(cfg, epochs: float = 16.0, degraded: float = 0.15, align: int = TOKEN_PX) -> dict:
+    """The export a training config needs: the scene sizes and aspects of its buckets (every stage's short sides
+    and w/h ratios; a bucket's canvas must be what ``canvas_size`` makes of its short side and ratio), the
+    frames and motion of ``[data]``, and per task enough scenes that the run's samples of that task
+    (``train.steps`` x the stages' global batch x the task's weight) see each kept scene about ``epochs``
+    times (a ``degraded`` fraction and the planted faults are curated away). Raises ValueError for a bucket
+    no scene placement gives."""
+    from difftrain.config.stages import parse_stages
+
+    stages = parse_stages(cfg)
+    sizes, aspects = set(), set()
+    for stage in stages:
+        for b in stage.buckets:
+            side = min(b.h, b.w)
+            aspect = b.w / b.h
+            w, h = canvas_size(side, aspect, align)
+            if (h, w) != (b.h, b.w):
+                raise ValueError(f"bucket {b.name} of stage {stage.name!r}: a {side}-pixel scene is placed on a "
+                                 f"{h}x{w} canvas (margins of whole {align}-pixel units), not {b.h}x{b.w}")
+            sizes.add(side)
+            aspects.add(round(aspect, 6))
+    d, steps = cfg.data, cfg.train.steps
+    batch = float(np.mean([b.global_batch for s in stages for b in s.buckets]))
+    weights = {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight}
+    total = sum(weights.values()) or 1.0
+    kept = (1.0 - degraded) * 0.95
+    n = [max(64, int(np.ceil(steps * batch * weights[t] / total / epochs / kept))) for t in ("t2i", "edit", "keyframes")]
+    return {"n": tuple(n), "sizes": tuple(sorted(sizes)), "aspects": tuple(sorted(aspects)), "frames": d.frames,
+            "motion": d.motion, "degraded": degraded, "align": align}
+
+
 def export_sources(out_dir: str | os.PathLike, edit: str = "manifest") -> list[dict]:
     """``[[data.sources]]`` tables for an export; ``edit`` picks the manifest or the folder of triples."""
     root = Path(out_dir)
@@ -151,9 +198,10 @@ def export_sources(out_dir: str | os.PathLike, edit: str = "manifest") -> list[d
 
 
 def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, int, int] = (600, 400, 200),
-                  sizes: tuple[int, ...] = (48, 96), aspects: tuple[float, ...] = (1.0, 4 / 3, 3 / 4),
-                  frames: int = 3, motion: str = "across", degraded: float = 0.15) -> dict:
-    """Write the dataset described in the module docstring; returns the summary also in export.json."""
+                  sizes: tuple[int, ...] = (48, 96), aspects: tuple[float, ...] = (1.0, 5 / 3, 3 / 5),
+                  frames: int = 3, motion: str = "across", degraded: float = 0.15, align: int = TOKEN_PX) -> dict:
+    """Write the dataset described in the module docstring; returns the summary also in export.json. ``align``:
+    the margins' unit in pixels (``canvas_size``; 8 reproduces the half-token placement of earlier exports)."""
     from difftrain.data.curate import hamming, phash_of_array
 
     n_t2i, n_edit, n_key = (int(x) for x in n)
@@ -209,7 +257,7 @@ def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, in
             img, caption, _ = tiny_world.t2i(i)
         else:
             img, caption, _ = worlds[size].t2i(i)
-            img = widen(img, aspect)
+            img = widen(img, aspect, align)
         if bad is not None:
             img = _degrade(img, bad, rng)
             if bad == "wrong_caption":
@@ -280,7 +328,7 @@ def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, in
         bad = bad_edit.get(i)
         quality = _quality(rng, bad is not None)
         src, tgt, instruction, _ = worlds[size].edit(i)
-        src, tgt = widen(src, aspect), widen(tgt, aspect)
+        src, tgt = widen(src, aspect, align), widen(tgt, aspect, align)
         if bad is not None:
             src, tgt = _degrade(src, bad, rng), _degrade(tgt, bad, rng)
             if bad == "wrong_caption":
@@ -305,7 +353,7 @@ def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, in
         bad = bad_key.get(i)
         quality = _quality(rng, bad is not None)
         clip, caption, _ = worlds[size].keyframes(i)
-        clip = [widen(f, aspect) for f in clip]
+        clip = [widen(f, aspect, align) for f in clip]
         if bad is not None:
             clip = [_degrade(f, bad, rng) for f in clip]
             if bad == "wrong_caption":
@@ -320,7 +368,7 @@ def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, in
 
     counts = {kind: len(v) for kind, v in variants.items()}
     summary = {
-        "seed": seed, "n": [n_t2i, n_edit, n_key], "sizes": list(sizes), "aspects": list(aspects),
+        "seed": seed, "n": [n_t2i, n_edit, n_key], "sizes": list(sizes), "aspects": list(aspects), "align": align,
         "frames": frames, "motion": motion, "degraded": degraded,
         "samples": {"t2i": n_folder + len(pairs["exact_dup"]) + len(pairs["near_dup"]), "t2i_shards": n_shard,
                     "edit": n_edit, "keyframes": n_key},
@@ -333,5 +381,5 @@ def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, in
     return summary
 
 
-__all__ = ["export_shapes", "export_sources", "canvas_size", "widen", "centre_crop", "SOURCE_NAMES",
+__all__ = ["export_shapes", "export_sources", "canvas_size", "widen", "on_canvas", "centre_crop", "SOURCE_NAMES",
            "DEGRADED_KINDS", "SPECIAL_KINDS"]

@@ -35,10 +35,12 @@ def to_tensor(images_uint8: np.ndarray) -> Tensor:
 
 def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, task: str, indices: list[int],
                keyframe_targets: list[list[bool]] | None = None, dropped: list[bool] | None = None,
-               sample_ids: list[int] | None = None) -> Batch:
+               sample_ids: list[int] | None = None, canvas: tuple[int, int] | None = None) -> Batch:
     """Examples ``indices`` of ``task`` as one assembled batch. ``keyframe_targets[b][f]``: frame f of
     example b is predicted (default: all); ``dropped[b]``: example b gets the empty prompt; ``sample_ids``:
-    the examples' global indices in the training stream (what noise and timesteps are drawn from)."""
+    the examples' global indices in the training stream (what noise and timesteps are drawn from);
+    ``canvas``: (h, w) of a canvas the world's square scenes are centred on, as the exported world places
+    them on aspect buckets (default: the scene itself)."""
     frames: list[np.ndarray] = []
     prompts: list[str] = []
     targets: list[list[bool]] = []
@@ -62,6 +64,9 @@ def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize,
         else:
             raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
         prompts.append("" if dropped and dropped[b] else prompt)
+    if canvas is not None:
+        from difftrain.shapes.export import on_canvas
+        frames = [np.stack([on_canvas(f, *canvas) for f in seq]) for seq in frames]
     pixels = to_tensor(np.stack(frames))                   # (B, F, 3, H, W)
     B, F = pixels.shape[:2]
     weight = next(autoencoder.parameters(), None)          # encode where the autoencoder lives (GPU or CPU)

@@ -62,16 +62,18 @@ class Denoiser:
         B = len(b)
         # Guidance-distilled models (FLUX.1-dev) are fine-tuned with the embedded guidance at 1.
         g = torch.ones(B, device=self.device) if self.dit.params.guidance_embed else None
-        txt, img_mask, ids = emb.txt_BTD, None, b.ids_BL3
+        txt, img_mask, ids, extent = emb.txt_BTD, None, b.ids_BL3, None
         txt_mask = emb.mask_BT.to(self.device, non_blocking=True) if self.masked else None
-        if self.cp > 1:
+        if self.cp > 1:       # a rank holds part of each grid: 'centre' positions need the whole grid's extent
+            extent = b.ids_BL3[..., 1:].amax(dim=1) + 1
             keep_t = txt_mask if txt_mask is not None else torch.ones(txt.shape[:2], dtype=torch.bool,
                                                                        device=self.device)
             ones_i = torch.ones(xt_BLC.shape[:2], dtype=torch.bool, device=self.device)
             txt, txt_mask = self.local(txt), self.local(keep_t, False)
             xt_BLC, ids, img_mask = self.local(xt_BLC), self.local(ids), self.local(ones_i, False)
         with autocast(self.device, self.amp):
-            out = self.dit(xt_BLC, ids, txt, t_B, emb.pooled_BP, g, txt_mask_BT=txt_mask, img_mask_BL=img_mask)
+            out = self.dit(xt_BLC, ids, txt, t_B, emb.pooled_BP, g, txt_mask_BT=txt_mask, img_mask_BL=img_mask,
+                           img_extent_B2=extent)
         return out, xt_BLC
 
     def cost(self, batch: Batch) -> tuple[int, float]:

@@ -1,0 +1,109 @@
+"""Is a model trained from the latent store as good as one trained on the fly? The shapes-store preset (its
+model, steps, global batch and task mixture) trained twice: once from the store, through the preset's
+curriculum over aspect buckets (``shapes export --config``, ``prepare``, ``train``), once on the fly
+(``data.source = "shapes"`` at ``data.image_size``). Both are evaluated with ``difftrain eval`` on the same
+prompts: the store run at every bucket of its last stage (the mean; each bucket listed), the on-the-fly run at
+its square. Prints one JSON object: both runs' accuracies and ``store_minus_fly_pp`` (percentage points) per
+accuracy.
+
+    python bench/store_quality.py [--steps 4000] [--n 256] [--dir DIR] [--set KEY=VALUE ...]
+        [--align 16] [--store-only] [--quick]
+
+``--align 8`` exports scenes half a token off on aspect canvases (with ``--set model.positions="corner"`` and
+4:3 buckets, ``--set 'data.stages=...'``) to reproduce the earlier broken path. ``--quick`` is the CI check's
+setting (``tests/test_store_quality.py``): text-to-image only, the first stage's three 48-pixel buckets,
+600 steps, n = 32, the store run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ACC = ("t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "t2i_acc", "edit_acc", "keyframe_acc",
+       "one_shape_rate")
+QUICK = ["train.steps=600", "data.t2i_weight=1.0", "data.edit_weight=0.0", "data.keyframe_weight=0.0",
+         "train.checkpoint_every=0", 'data.stages=[{name = "low", start_step = 0, '
+         'buckets = [[48, 48], [48, 80], [80, 48]], global_batch = 32}]']
+
+
+def cli(*args: str, cwd: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "difftrain.cli", *args], cwd=cwd, check=True, capture_output=True,
+                         text=True)
+    return out.stdout
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def store_run(root: Path, overrides: list[str], n: int, align: int = 16, epochs: float = 16.0) -> dict:
+    """Export sized for the run, prepare, train from the store, eval at every bucket of the last stage."""
+    from difftrain.config import load_config, preset_path
+    from difftrain.shapes.export import export_plan, export_shapes
+
+    root.mkdir(parents=True, exist_ok=True)
+    cfg_path = root / "store.toml"
+    cfg_path.write_text(preset_path("shapes-store").read_text())
+    cfg = load_config(cfg_path, overrides)
+    t0 = time.perf_counter()
+    plan = export_plan(cfg, epochs, align=align)
+    export_shapes(root / "shapes-export", seed=0, **plan)
+    prep = json.loads(cli("prepare", str(cfg_path), "--no-progress", *sets(overrides), cwd=root).splitlines()[-1])
+    t1 = time.perf_counter()
+    cli("train", str(cfg_path), "--run-dir", "run", "--no-progress", *sets(overrides), cwd=root)
+    t2 = time.perf_counter()
+    ev = json.loads(cli("eval", "run", "--json", "--n", str(n), cwd=root).splitlines()[-1])
+    return {"eval": ev, "export_n": list(plan["n"]), "prepare_kept": prep["kept"],
+            "prepare_s": round(t1 - t0, 1), "train_s": round(t2 - t1, 1)}
+
+
+def fly_run(root: Path, overrides: list[str], n: int) -> dict:
+    from difftrain.config import preset_path
+
+    root.mkdir(parents=True, exist_ok=True)
+    cfg_path = root / "fly.toml"
+    cfg_path.write_text(preset_path("shapes-store").read_text())
+    fly = overrides + ['data.source="shapes"', "data.stages=[]"]
+    t0 = time.perf_counter()
+    cli("train", str(cfg_path), "--run-dir", "run", "--no-progress", *sets(fly), cwd=root)
+    t1 = time.perf_counter()
+    ev = json.loads(cli("eval", "run", "--json", "--n", str(n), cwd=root).splitlines()[-1])
+    return {"eval": ev, "train_s": round(t1 - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
+    ap.add_argument("--n", type=int, default=256, help="eval prompts per task")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--align", type=int, default=16, help="export margins' unit in pixels (8: the earlier layout)")
+    ap.add_argument("--epochs", type=float, default=16.0, help="export size: passes of the run over each scene")
+    ap.add_argument("--store-only", action="store_true", help="skip the on-the-fly run")
+    ap.add_argument("--quick", action="store_true", help="the CI check's setting (see the module docstring)")
+    args = ap.parse_args()
+    overrides = (QUICK if args.quick else []) + args.overrides
+    if args.steps:
+        overrides.append(f"train.steps={args.steps}")
+    n = 32 if args.quick and args.n == 256 else args.n
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(args.dir) if args.dir else Path(tmp)
+        out: dict = {"overrides": overrides, "n": n, "align": args.align}
+        store = store_run(root / "store", overrides, n, args.align, args.epochs)
+        out["store"] = store
+        if not (args.store_only or args.quick):
+            fly = fly_run(root / "fly", overrides, n)
+            out["fly"] = fly
+            out["store_minus_fly_pp"] = {k: round(100 * (store["eval"][k] - fly["eval"][k]), 1) for k in ACC
+                                         if store["eval"].get(k) is not None and fly["eval"].get(k) is not None}
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
