@@ -357,8 +357,8 @@ def test_a_loader_state_of_the_earlier_sample_order_is_refused(tmp_path):
     loader = StoreLoader(make_cfg(store), tokenize, 0, 1, "cpu")
     try:
         state = loader.state_dict()
-        assert state["order"] == "keyed-bijection/3"
-        for old in ("keyed-bijection/2", None):     # per-slot generators; a state written before 'order'
+        assert state["order"] == "keyed-bijection/4"
+        for old in ("keyed-bijection/3", "keyed-bijection/2", None):     # per-slot generators; a state written before 'order'
             st = dict(state, order=old) if old else {k: v for k, v in state.items() if k != "order"}
             with pytest.raises(UserError, match=f"orders samples as '{old or 'permutation/1'}'"):
                 loader.load_state_dict(st)

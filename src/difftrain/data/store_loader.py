@@ -66,10 +66,11 @@ def _h64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & 0x7FFFFFFFFFFFFFFF
 
 
-# The sample order of the loader state: "keyed-bijection/3" (a Feistel permutation of each epoch's positions,
-# computed for the positions a step takes; a step's per-slot draws from one generator). Format 2 drew them from
-# a generator per slot; format 1 drew a full permutation of the stream on every step.
-ORDER = "keyed-bijection/3"
+# The sample order of the loader state: "keyed-bijection/4" (an unbalanced Feistel permutation of each epoch's
+# positions on a domain under 2n, computed for the positions a step takes; a step's per-slot draws from one
+# generator). Format 3 walked a balanced Feistel network on up to 4n; format 2 drew the draws from a generator
+# per slot; format 1 drew a full permutation of the stream on every step.
+ORDER = "keyed-bijection/4"
 _ROUNDS = 6
 
 
@@ -83,20 +84,27 @@ def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
 
 def keyed_order(n: int, key: list[int], positions: np.ndarray) -> np.ndarray:
     """Where ``positions`` land in a pseudo-random permutation of range(n) that is a pure function of ``key``:
-    a balanced Feistel network on the smallest even power of two >= n, walked until it lands below n (at most
-    4x the domain, so under 4 walks on average). O(len(positions)), whatever n: no permutation is stored."""
-    half = max(1, (max(1, n - 1).bit_length() + 1) // 2)
-    mask = np.uint64((1 << half) - 1)
+    an unbalanced Feistel network on the smallest power of two >= n (its two halves, of ceil and floor of half
+    the bits, each updated in turn from a keyed mix of the other), walked until it lands below n. The domain is
+    under 2n, so under 2 walks on average whatever n. O(len(positions)), whatever n: no permutation is
+    stored."""
+    bits = max(2, (max(1, n) - 1).bit_length())
+    lo_bits = bits // 2
+    hi_mask, lo_mask = np.uint64((1 << (bits - lo_bits)) - 1), np.uint64((1 << lo_bits) - 1)
+    shift = np.uint64(lo_bits)
     keys = np.random.default_rng(key).integers(0, 2**63, size=_ROUNDS, dtype=np.uint64)
     cur = np.asarray(positions, dtype=np.uint64).copy()
     out = np.empty_like(cur)
     todo = np.arange(cur.size)
     with np.errstate(over="ignore"):
         while todo.size:
-            left, right = cur[todo] >> np.uint64(half), cur[todo] & mask
-            for k in keys:
-                left, right = right, left ^ (_mix(right, k) & mask)
-            v = (left << np.uint64(half)) | right
+            hi, lo = cur[todo] >> shift, cur[todo] & lo_mask
+            for r, k in enumerate(keys):
+                if r % 2 == 0:
+                    hi = hi ^ (_mix(lo, k) & hi_mask)
+                else:
+                    lo = lo ^ (_mix(hi, k) & lo_mask)
+            v = (hi << shift) | lo
             done = v < np.uint64(n)
             out[todo[done]] = v[done]
             cur[todo[~done]] = v[~done]
