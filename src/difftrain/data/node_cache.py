@@ -48,7 +48,7 @@ log = logging.getLogger("difftrain")
 CHUNK = 8 << 20                       # bytes a store read call asks for
 LOCK_TIMEOUT_S = 30.0                 # the cache-wide lock is held for bookkeeping only; longer means a fault
 BUSY_POLL_S = 0.05                    # how often a unit another process copies is looked at again
-STALL_ENV = "DIFFTRAIN_CACHE_STALL_S"  # test hook: a fragment copy pauses this long halfway (to be killed there)
+STALL_ENV = "DIFFTRAIN_CACHE_STALL_S"  # test hook: every fragment copy pauses this long halfway
 
 
 def store_fs(uri: str):
@@ -149,8 +149,8 @@ class NodeCache:
         self.stall = float(os.environ.get(STALL_ENV, "0") or 0)
         self.copied: list[str] = []                    # units this process copied (tests count copies)
         self.counts = {"units_copied": 0, "bytes_copied": 0, "copy_s": 0.0, "stale_temps_removed": 0,
-                       "evicted_units": 0, "evicted_bytes": 0, "not_fitting": 0, "copy_errors": 0,
-                       "cache_errors": 0, "local_read_failures": 0}
+                       "evicted_units": 0, "evicted_bytes": 0, "not_fitting": 0, "met_copying_elsewhere": 0,
+                       "copy_errors": 0, "cache_errors": 0, "local_read_failures": 0}
         self._lock_fd: int | None = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -379,6 +379,7 @@ class NodeCache:
                 if tmp.exists():
                     fd = _try_lock(tmp)
                     if fd is None:
+                        self._count("met_copying_elsewhere")
                         return "busy"
                     shutil.rmtree(tmp)                    # a killed copier's
                     os.close(fd)
@@ -458,9 +459,8 @@ class NodeCache:
                         self._count("bytes_copied", len(chunk))
                         if self.closed:
                             raise _Closed()
-                        if self.stall and frag is not None:
+                        if self.stall and frag is not None and off < size:
                             time.sleep(self.stall)
-                            self.stall = 0.0
                 os.fsync(fd)
             finally:
                 os.close(fd)
