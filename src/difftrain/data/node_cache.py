@@ -1,9 +1,9 @@
 """The node-local cache in front of the shared latent store: Lance fragments copied ahead of the plan.
 
 **What is cached, and the unit.** The local copy of table T at version v is a folder
-``CACHE/<stage>__<bucket>__<task>@v<v>.lance`` holding T's metadata (everything outside ``data/``:
-``_versions/``, ``_transactions/``, ``_deletions/``, ...; installed first, in one rename) and the data files of
-the fragments installed so far: ``data/<stem>.lance`` and, for latents over 64 KiB, the fragment's blob sidecar
+``CACHE/<stage>__<bucket>__<task>@v<v>.lance`` holding what Lance reads to open version v (its manifest in
+``_versions/``, ``_deletions/``, ``_indices/``; not the other versions nor ``_transactions/``: a table committed
+every 256 rows has thousands; installed first, in one rename) and the data files of the fragments installed so far: ``data/<stem>.lance`` and, for latents over 64 KiB, the fragment's blob sidecar
 folder ``data/<stem>/``. The unit is one fragment. Lance opens a fragment's files only when a row of it is read
 (checked with pylance 14), so a dataset opened on that folder at version v serves the rows of the installed
 fragments; the loader reads the others from the shared store (``split``) and merges by sample id.
@@ -37,6 +37,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ log = logging.getLogger("difftrain")
 CHUNK = 8 << 20                       # bytes a store read call asks for
 LOCK_TIMEOUT_S = 30.0                 # the cache-wide lock is held for bookkeeping only; longer means a fault
 BUSY_POLL_S = 0.05                    # how often a unit another process copies is looked at again
+COPY_THREADS = 4                      # copies in flight per process: a network store's latency is hidden
 STALL_ENV = "DIFFTRAIN_CACHE_STALL_S"  # test hook: every fragment copy pauses this long halfway
 
 
@@ -84,8 +86,9 @@ class _Layout:
     def unit_files(self, frag: int | None) -> dict[str, int]:
         """Files of fragment ``frag`` (None: the metadata), relative to the table, with their sizes."""
         assert self.files is not None
-        if frag is None:
-            return {p: s for p, s in self.files.items() if not p.startswith("data/")}
+        if frag is None:            # what Lance reads to open version v: its manifest, deletion and index files
+            manifests = {f"_versions/{self.version}.manifest", f"_versions/{2**64 - 1 - self.version}.manifest"}
+            return {p: s for p, s in self.files.items() if p in manifests or p.startswith(("_deletions/", "_indices/"))}
         out = {}
         for stem in self.stems[frag]:
             out.update({p: s for p, s in self.files.items()
@@ -144,6 +147,8 @@ class NodeCache:
         self._gen = 0                                  # bumped on every change of the window
         self._done_gen = -1                            # the window the copier last found nothing left to do in
         self._given_up: set[tuple[str, int | None]] = set()
+        self._pending = 0                              # lookahead requests not yet turned into a window
+        self._known: set[str] = set()                  # paths of units seen installed
         self.closed = False
         self.disabled: str | None = None
         self.stall = float(os.environ.get(STALL_ENV, "0") or 0)
@@ -158,9 +163,12 @@ class NodeCache:
             self._lock_fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             self._fail(e, "cannot be created or written")
-        self._thread = threading.Thread(target=self._run, name="difftrain-cache", daemon=True)
-        if self.disabled is None:
-            self._thread.start()
+        self._inflight: set[str] = set()               # units this process's copiers hold
+        self._tlock = threading.Lock()                 # the cache-wide flock is per open file: threads queue here
+        self._threads = [threading.Thread(target=self._run, name=f"difftrain-cache-{i}", daemon=True)
+                         for i in range(COPY_THREADS if self.disabled is None else 0)]
+        for t in self._threads:
+            t.start()
 
     # ---- the loader's side -----------------------------------------------------------------------
     def layout(self, name: str) -> _Layout:
@@ -191,8 +199,12 @@ class NodeCache:
             if window == self._window:
                 return
             new = set(window) - set(self._window)
+            idle = self._done_gen == self._gen
             self._window, self._gen = window, self._gen + 1
-            self._cond.notify_all()
+            if idle and all(self._installed(self.layout(n), f) for n, f in new):
+                self._done_gen = self._gen              # nothing to copy: the copiers sleep on
+            else:
+                self._cond.notify_all()
         for name, frag in new:
             lay = self.layout(name)
             for stem in lay.stems[frag][:1]:
@@ -205,7 +217,7 @@ class NodeCache:
         """(a Lance dataset on the local copy, or None; a mask of the ``rows`` whose fragment is installed)."""
         lay = self.layout(name)
         frag = np.searchsorted(lay.bounds, rows, side="right") - 1
-        local = [f for f in np.unique(frag).tolist() if self._installed(lay, f)]
+        local = [f for f in np.unique(frag).tolist() if self._installed(lay, f, fresh=True)]
         if not local:
             return None, np.zeros(len(rows), dtype=bool)
         ds = self._local_ds(lay)
@@ -223,13 +235,14 @@ class NodeCache:
         """Wait until the copier has nothing left to do for the current window; True if all of it is installed."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._done_gen != self._gen and self.disabled is None and not self.closed:
+            while ((self._pending or self._done_gen != self._gen or self._inflight) and self.disabled is None
+                   and not self.closed):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(left)
             window = list(self._window)
-        return all(self._installed(self.layout(n), f) for n, f in window)
+        return all(self._installed(self.layout(n), f, fresh=True) for n, f in window)
 
     def stats(self) -> dict:
         with self._mutex:
@@ -241,17 +254,28 @@ class NodeCache:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout=60)
+        for t in self._threads:
+            t.join(timeout=60)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
     # ---- local state -----------------------------------------------------------------------------
-    def _installed(self, lay: _Layout, frag: int | None) -> bool:
-        if frag is None:
-            return (self.dir / lay.folder).is_dir()
-        return all((self.dir / lay.folder / "data" / f"{s}.lance").exists() for s in lay.stems[frag])
+    def _installed(self, lay: _Layout, frag: int | None, fresh: bool = False) -> bool:
+        """Whether a unit is installed: its metadata folder, or its fragment's ``.lance`` files. What was seen
+        installed is remembered, so that the copier's scans of its window cost no system call; reads (``fresh``)
+        and claims look again, and forget what another process evicted."""
+        paths = [self.dir / lay.folder] if frag is None else \
+            [self.dir / lay.folder / "data" / f"{s}.lance" for s in lay.stems[frag]]
+        for path in paths:
+            key = str(path)
+            if not fresh and key in self._known:
+                continue
+            if not path.exists():
+                self._known.discard(key)
+                return False
+            self._known.add(key)
+        return True
 
     def _local_ds(self, lay: _Layout):
         with self._mutex:
@@ -287,18 +311,23 @@ class NodeCache:
         if self._lock_fd is None:
             raise OSError(errno.EBADF, "no lock file")
         deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.dir / '.lock'} held for over {LOCK_TIMEOUT_S:.0f} s") from None
-                time.sleep(0.002)
+        if not self._tlock.acquire(timeout=LOCK_TIMEOUT_S):
+            raise TimeoutError(f"{self.dir / '.lock'}: waited over {LOCK_TIMEOUT_S:.0f} s")
         try:
-            yield
+            while True:
+                try:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{self.dir / '.lock'} held for over {LOCK_TIMEOUT_S:.0f} s") from None
+                    time.sleep(0.002)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            self._tlock.release()
 
     # ---- the copier ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -365,6 +394,8 @@ class NodeCache:
             except Exception as e:  # noqa: BLE001 - the store is read directly instead
                 return self._store_failed(lay, frag, e)
         files = lay.unit_files(frag)
+        if frag is None and not any(p.startswith("_versions/") for p in files):
+            return self._store_failed(lay, frag, FileNotFoundError(f"no manifest of version {lay.version} listed"))
         key = f"{lay.folder[:-len('.lance')]}.{'meta' if frag is None else lay.stems[frag][0]}"
         tmp = self.tmp / f"{key}.part"
         need = sum(files.values())
@@ -374,8 +405,10 @@ class NodeCache:
             return "failed"
         try:
             with self._locked():
-                if self._installed(lay, frag):
+                if self._installed(lay, frag, fresh=True):
                     return "installed"
+                if key in self._inflight:
+                    return "busy"
                 if tmp.exists():
                     fd = _try_lock(tmp)
                     if fd is None:
@@ -391,6 +424,8 @@ class NodeCache:
                 fd = _try_lock(tmp)
                 if fd is None:                            # cannot happen under the lock; be safe
                     return "busy"
+                with self._cond:
+                    self._inflight.add(key)
                 try:
                     (tmp / "data").mkdir() if frag is None else None
                     for rel, size in files.items():
@@ -400,6 +435,7 @@ class NodeCache:
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     os.close(fd)
+                    self._release(key)
                     raise
         except (OSError, TimeoutError) as e:
             self._fail(e, "cannot be written")
@@ -410,13 +446,13 @@ class NodeCache:
             with self._locked():
                 self._install(lay, frag, tmp)
         except _StoreError as e:
-            self._discard(tmp, fd)
+            self._discard(tmp, fd, key)
             return self._store_failed(lay, frag, e.__cause__ or e)
         except _Closed:
-            self._discard(tmp, fd)
+            self._discard(tmp, fd, key)
             raise
         except (OSError, TimeoutError) as e:
-            self._discard(tmp, fd)
+            self._discard(tmp, fd, key)
             self._fail(e, "cannot be written")
             return "failed"
         os.close(fd)
@@ -424,7 +460,13 @@ class NodeCache:
             self.counts["units_copied"] += 1
             self.counts["copy_s"] += time.perf_counter() - t0
             self.copied.append(key)
+        self._release(key)
         return "copied"
+
+    def _release(self, key: str) -> None:
+        with self._cond:
+            self._inflight.discard(key)
+            self._cond.notify_all()
 
     @staticmethod
     def _temp_rel(rel: str, frag: int | None) -> str:
@@ -481,13 +523,14 @@ class NodeCache:
             os.rename(tmp / f"{stem}.lance", data / f"{stem}.lance")
         shutil.rmtree(tmp)
 
-    def _discard(self, tmp: Path, fd: int) -> None:
+    def _discard(self, tmp: Path, fd: int, key: str) -> None:
         try:
             with self._locked():
                 shutil.rmtree(tmp, ignore_errors=True)
         except (OSError, TimeoutError):
             pass                                  # left for the next copier, as a killed copier's would be
         os.close(fd)
+        self._release(key)
 
     def _store_failed(self, lay: _Layout, frag: int | None, err: Exception) -> str:
         with self._mutex:
@@ -542,6 +585,7 @@ class NodeCache:
         for counter, paths in victims:
             freed = 0
             for p in paths:                       # the .lance file first: readers see the fragment as gone
+                self._known.discard(str(p))
                 if p.exists():
                     freed += _size(p)
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -552,3 +596,72 @@ class NodeCache:
             if used + need <= self.limit:
                 return True
         return False
+
+
+class Lookahead:
+    """The fragments a loader will read in its next ``steps`` steps, planned in a thread of its own and sent to the
+    cache as its window. ``planner`` is the loader's planning on streams of its own; the loader posts the next
+    step it will plan and its stream positions then, and never waits. Plans already made are kept while the
+    posted positions follow them; other positions (a resume) start the lookahead over."""
+
+    def __init__(self, cache: NodeCache, steps: int, planner, fragments_of):
+        self.cache, self.steps, self.planner, self.fragments_of = cache, steps, planner, fragments_of
+        self._ahead: deque[tuple[int, dict, list]] = deque()    # (step, positions before it, fragments it reads)
+        self._pos: dict = {}                                     # positions after the last planned step
+        self._posted: tuple[int, dict] | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="difftrain-lookahead", daemon=True)
+        self._thread.start()
+
+    def post(self, step: int, positions: dict) -> None:
+        with self._cond:
+            if self._posted is None:
+                with self.cache._cond:
+                    self.cache._pending += 1
+            self._posted = (step, positions)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._posted is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                (step, positions), self._posted = self._posted, None
+            try:
+                self._advance(step, positions)
+            except Exception as e:  # noqa: BLE001 - the lookahead must never take the run down
+                log.warning("node cache: the lookahead stopped (%s); reads go on without it", e)
+                return
+            finally:
+                with self.cache._cond:
+                    self.cache._pending -= 1
+                    self.cache._cond.notify_all()
+
+    def _positions(self) -> dict:
+        return {s.name: [s.epoch, s.pos] for streams in self.planner.streams.values() for s in streams}
+
+    def _advance(self, step: int, positions: dict) -> None:
+        ahead = self._ahead
+        while ahead and ahead[0][0] < step:
+            ahead.popleft()
+        if not ahead or ahead[0][0] != step or ahead[0][1] != positions:
+            ahead.clear()
+            self._pos = positions
+        start = ahead[-1][0] + 1 if ahead else step
+        for streams in self.planner.streams.values():
+            for s in streams:
+                s.epoch, s.pos = self._pos[s.name]
+        for k in range(start, step + self.steps):
+            before = self._positions()
+            ahead.append((k, before, self.fragments_of(self.planner._plan(k))))
+        self._pos = self._positions()
+        self.cache.want([u for _, _, units in ahead for u in units])

@@ -37,6 +37,8 @@ installed fragments from the local copy, the others from the shared store, merge
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -52,7 +54,7 @@ from difftrain.data import store as st
 from difftrain.data.batch import Batch, assemble_packed
 from difftrain.config.stages import Stage, parse_stages
 from difftrain.data.curriculum import stage_at
-from difftrain.data.node_cache import NodeCache
+from difftrain.data.node_cache import Lookahead, NodeCache
 from difftrain.errors import UserError
 from difftrain.models.text import TextEmbedding, pad_tokens
 
@@ -262,8 +264,7 @@ class StoreLoader:
         self._check_world(0)
         self.cache = (NodeCache(d.cache_dir, d.cache_gb * 1e9, {n: (t.uri, t.ds) for n, t in self.tables.items()})
                       if d.cache_dir else None)
-        self._ahead: deque[tuple[int, dict, list]] = deque()   # lookahead: (step, positions before, fragments)
-        self._ahead_pos: dict = {}                             # stream positions after the lookahead's last step
+        self._lookahead: Lookahead | None = None
         self.served = {"rows": 0, "rows_local": 0, "bytes": 0, "bytes_from_store": 0}
         self.pool = ThreadPoolExecutor(d.read_threads, thread_name_prefix="difftrain-read")
         self.queue: deque[tuple[dict, Future]] = deque()
@@ -524,35 +525,17 @@ class StoreLoader:
 
     # ---- iteration -------------------------------------------------------------------------------
     def _request_cache(self) -> None:
-        """Tell the node cache which fragments this rank reads in steps planned .. planned + data.cache_lookahead
-        - 1, in plan order. Those steps are planned on the stream positions they will start from (the plan is a
-        pure function of them), kept from call to call and restored around each use: the loader's own state is
-        untouched, and a resume (other positions at ``planned``) starts the lookahead over."""
+        """Post the next step to plan and the stream positions it starts from to the lookahead, which plans
+        data.cache_lookahead steps from there in a thread of its own, on a copy of the streams (the plan is a
+        pure function of their positions: the loader's state is untouched), and asks the node cache for the
+        fragments this rank will read, first needed first. A resume posts other positions: it starts over."""
         if self.cache is None:
             return
-        real = self._positions()
-        while self._ahead and self._ahead[0][0] < self.planned:
-            self._ahead.popleft()
-        if not self._ahead or self._ahead[0][0] != self.planned or self._ahead[0][1] != real:
-            self._ahead.clear()
-            self._ahead_pos = real
-        end = self.planned + self.cfg.data.cache_lookahead
-        start = self._ahead[-1][0] + 1 if self._ahead else self.planned
-        if start < end:
-            self._set_positions(self._ahead_pos)
-            try:
-                for step in range(start, end):
-                    before = self._positions()
-                    self._ahead.append((step, before, self._fragments_read(self._plan(step))))
-                self._ahead_pos = self._positions()
-            finally:
-                self._set_positions(real)
-        self.cache.want([u for _, _, units in self._ahead for u in units])
-
-    def _set_positions(self, positions: dict) -> None:
-        for streams in self.streams.values():
-            for s in streams:
-                s.epoch, s.pos = positions[s.name]
+        if self._lookahead is None:
+            shadow = copy.copy(self)          # the same plan on streams of its own
+            shadow.streams = {k: [dataclasses.replace(s) for s in v] for k, v in self.streams.items()}
+            self._lookahead = Lookahead(self.cache, self.cfg.data.cache_lookahead, shadow, self._fragments_read)
+        self._lookahead.post(self.planned, self._positions())
 
     def _fragments_read(self, plan: dict) -> list[tuple[str, int]]:
         """(table, fragment) this rank reads for ``plan``, in the order its rows meet them."""
@@ -602,6 +585,8 @@ class StoreLoader:
         for _, f in self.queue:
             f.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._lookahead is not None:
+            self._lookahead.close()
         if self.cache is not None:
             self.cache.close()
 
