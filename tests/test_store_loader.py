@@ -5,7 +5,6 @@ cache-key refusal, damaged fragments, the node-local cache, prefetch vs consumed
 from __future__ import annotations
 
 import os
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
