@@ -24,7 +24,7 @@ import shutil
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ class Layout:
     bounds: np.ndarray                    # bounds[i] is fragment i's first row; bounds[-1] the row count
     stems: list[list[str]]
     files: dict[str, int] | None = None   # path relative to the table -> size
+    marks: dict = field(default_factory=dict)   # unit -> the paths marking it installed, as strings
 
     @property
     def folder(self) -> str:
@@ -150,23 +151,25 @@ class CacheFolder:
         finally:
             self._threads.release()
 
-    def marker(self, lay: Layout, frag: int | None) -> list[Path]:
+    def marker(self, lay: Layout, frag: int | None) -> list[str]:
         """What marks a unit installed: the table's folder, or the fragment's ``.lance`` files."""
-        if frag is None:
-            return [self.dir / lay.folder]
-        return [self.dir / lay.folder / "data" / f"{s}.lance" for s in lay.stems[frag]]
+        marks = lay.marks.get(frag)
+        if marks is None:
+            folder = os.path.join(self.dir, lay.folder)
+            marks = lay.marks[frag] = [folder] if frag is None else \
+                [os.path.join(folder, "data", f"{s}.lance") for s in lay.stems[frag]]
+        return marks
 
     def installed(self, lay: Layout, frag: int | None, fresh: bool = False) -> bool:
         """Whether a unit is installed. What was seen installed is remembered, so that scanning a window costs no
         system call; a read or a claim (``fresh``) looks again, and forgets what another process evicted."""
         for path in self.marker(lay, frag):
-            key = str(path)
-            if not fresh and key in self._known:
+            if not fresh and path in self._known:
                 continue
-            if not path.exists():
-                self._known.discard(key)
+            if not os.path.exists(path):
+                self._known.discard(path)
                 return False
-            self._known.add(key)
+            self._known.add(path)
         return True
 
     def stamp(self, lay: Layout, frag: int) -> None:

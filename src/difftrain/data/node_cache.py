@@ -69,7 +69,9 @@ class NodeCache:
         self._layouts: dict[str, Layout] = {}
         self._local: dict[str, object] = {}            # name -> Lance dataset opened on the local copy
         self._mutex = threading.Lock()                 # layouts, local datasets, counters
-        self._cond = threading.Condition()             # the window and the copiers' state
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)         # the window or the copiers' state changed
+        self._work = threading.Condition(lock)         # copiers wait here, woken one at a time
         self._window: list[tuple[str, int]] = []
         self._gen = 0                                  # bumped on every change of the window
         self._done_gen = -1                            # the window the copiers last found nothing left to do in
@@ -127,7 +129,7 @@ class NodeCache:
             if idle and all(self.folder.installed(self.layout(n), f) for n, f in new):
                 self._done_gen = self._gen              # nothing to copy: the copiers sleep on
             else:
-                self._cond.notify_all()
+                self._work.notify()                     # one copier; it wakes another when it finds work
         for name, frag in new:
             self.folder.stamp(self.layout(name), frag)
 
@@ -170,6 +172,7 @@ class NodeCache:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
+            self._work.notify_all()
         for t in self._threads:
             t.join(timeout=60)
         if self.folder is not None:
@@ -229,7 +232,7 @@ class NodeCache:
                     self._cond.notify_all()
                     return
                 if state != "copied" and gen == self._gen:
-                    self._cond.wait({"busy": BUSY_POLL_S, "blocked": 1.0}.get(state))
+                    self._work.wait({"busy": BUSY_POLL_S, "blocked": 1.0}.get(state))
 
     def _pass(self, window: list[tuple[str, int]]) -> str:
         """Copy the first unit of the window that is neither installed nor being copied (a table's metadata before
@@ -297,6 +300,7 @@ class NodeCache:
                 if isinstance(claim, Claim):
                     with self._cond:
                         self._inflight.add(key)
+                        self._work.notify()             # another copier may find more to do
         except (OSError, TimeoutError) as e:
             self._fail(e, "cannot be written")
             return "failed"
