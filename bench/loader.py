@@ -20,9 +20,10 @@
    a table of ``--slow-n`` samples (384 KiB latents, 32 a fragment); the first step (the loader's first fill)
    is left out. Once without a cache, once with a cold node cache both processes share (``cache_gb`` above
    the table). ``slow_store_data_wait_cache_off`` and ``..._on`` (data wait over step time; target < 0.02
-   with the cache), ``cache_hit_rate`` (rows read from the cache over rows read, both ranks) and
-   ``store_bytes_read_over_bytes_served`` (fragments copied plus latents read directly from the store, over
-   latents served; target <= 1.2).
+   with the cache; also over the first epoch and after it), ``cache_hit_rate`` (rows read from the cache over
+   rows read, both ranks) and ``store_bytes_read_over_bytes_served`` (fragments copied plus latents read
+   directly from the store, over latents served; target <= 1.2). ``data_wait_store_without_delay``: the same
+   two ranks with no delay and no cache, what the loader costs on this machine anyway.
 
     python bench/loader.py [--n 1024] [--parts bandwidth,fly,train] [--slow-store-ms MS]
 """
@@ -310,14 +311,16 @@ def slow_store_part(root: Path, args) -> dict:
     out = {"slow_store_ms": ms, "slow_step_ms": args.slow_step_ms, "slow_global_batch": gb, "slow_steps": steps,
            "slow_epochs": args.slow_epochs, "slow_table_mb": round(table_bytes / 1e6, 1),
            "slow_cache_lookahead": args.slow_lookahead, "slow_cache_dir": str(cache_root)}
-    runs = [("off", None), ("on", 2 * table_bytes)] + ([("half", table_bytes / 2)] if args.slow_half else [])
+    runs = [("floor", None), ("off", None), ("on", 2 * table_bytes)]
+    runs += [("half", table_bytes / 2)] if args.slow_half else []
     for mode, limit in runs:
+        delay_s = 0.0 if mode == "floor" else ms / 1e3
         data = dict(base["data"])
         if limit:
             cache = Path(tempfile.mkdtemp(prefix="node-cache-", dir=cache_root))
             data.update(cache_dir=str(cache), cache_gb=limit / 1e9, cache_lookahead=args.slow_lookahead)
         barrier, q = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=slow_rank, args=(r, dict(base, data=data), ms / 1e3, steps, epoch,
+        procs = [ctx.Process(target=slow_rank, args=(r, dict(base, data=data), delay_s, steps, epoch,
                                                       args.slow_step_ms / 1e3, barrier, q)) for r in range(2)]
         for p in procs:
             p.start()
@@ -335,16 +338,21 @@ def slow_store_part(root: Path, args) -> dict:
         def totals(key: str) -> dict:
             return {k: sum(r[key][k] for r in reports) for k in ("rows", "rows_local", "bytes", "store_bytes_read")}
 
+        if mode == "floor":                      # the same two ranks, no delay, no cache: this machine's floor
+            out["data_wait_store_without_delay"] = wait_fraction(1, steps)
+            continue
         name = {"off": "cache_off", "on": "cache_on", "half": "half_table_cache"}[mode]
         out[f"slow_store_data_wait_{name}"] = wait_fraction(1, steps)           # the first step is start-up
         out[f"slow_store_data_wait_{name}_first_epoch"] = wait_fraction(1, epoch)
+        out[f"slow_store_data_wait_{name}_after_first_epoch"] = wait_fraction(epoch, steps)
         if limit:
             prefix = "" if mode == "on" else f"{name}_"
             s, f = totals("stats"), totals("first")
             out[f"{prefix}cache_hit_rate"] = round(s["rows_local"] / s["rows"], 4)
             out[f"{prefix}store_bytes_read_over_bytes_served"] = round(s["store_bytes_read"] / s["bytes"], 4)
             out[f"{prefix}cache_hit_rate_first_epoch"] = round(f["rows_local"] / f["rows"], 4)
-            out[f"{prefix}store_bytes_read_over_bytes_served_first_epoch"] = round(f["store_bytes_read"] / f["bytes"], 4)
+            out[f"{prefix}store_bytes_read_over_bytes_served_first_epoch"] = round(f["store_bytes_read"] / f["bytes"],
+                                                                                    4)
             out[f"{prefix}cache_fragments_copied"] = sum(r["stats"]["units_copied"] for r in reports)
     return out
 
