@@ -43,6 +43,7 @@ CHUNK = 8 << 20                        # bytes a store read call asks for
 COPY_THREADS = 4                       # copies in flight per process: a network store's latency is hidden
 BUSY_POLL_S = 0.05                     # how often a unit another process copies is looked at again
 STALL_ENV = "DIFFTRAIN_CACHE_STALL_S"  # test hook: every fragment copy pauses this long halfway
+CLOSE_TIMEOUT_S = 10.0                 # close() waits this long for the copiers (daemon threads) to stop
 
 
 def store_fs(uri: str):
@@ -173,9 +174,10 @@ class NodeCache:
             self.closed = True
             self._cond.notify_all()
             self._work.notify_all()
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S       # a copier stuck on a store read is left behind
         for t in self._threads:
-            t.join(timeout=60)
-        if self.folder is not None:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self.folder is not None and not any(t.is_alive() for t in self._threads):
             self.folder.close()
 
     def _local_ds(self, lay: Layout):
@@ -398,6 +400,8 @@ class Lookahead:
 
     def post(self, step: int, positions: dict) -> None:
         with self._cond:
+            if self._closed:
+                return
             if self._posted is None:
                 with self.cache._cond:
                     self.cache._pending += 1
@@ -408,7 +412,7 @@ class Lookahead:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=CLOSE_TIMEOUT_S)
 
     def _run(self) -> None:
         while True:
@@ -422,6 +426,8 @@ class Lookahead:
                 self._advance(step, positions)
             except Exception as e:  # noqa: BLE001 - the lookahead must never take the run down
                 log.warning("node cache: the lookahead stopped (%s); reads go on without it", e)
+                with self._cond:
+                    self._closed = True
                 return
             finally:
                 with self.cache._cond:
