@@ -238,37 +238,68 @@ def test_damaged_fragment_is_skipped_counted_then_fatal(tmp_path):
 
 
 def test_node_cache_copies_ahead_and_reads_locally(store, tmp_path):
-    cfg = make_cfg(store, cache_dir=str(tmp_path / "cache"), cache_gb=1.0)
+    """The fragments of the next steps are copied ahead of the reads; once installed, every row is read from the
+    node-local copy; the sample stream is the uncached one."""
+    cfg = make_cfg(store, cache_dir=str(tmp_path / "cache"), cache_gb=1.0, cache_lookahead=12)
     loader = StoreLoader(cfg, tokenize)
-    reference, _ = run_ranks(make_cfg(store), 1, 10)
-    got = run(loader, 10)
-    assert got == reference
-    for name in list(loader.cache.jobs):
-        loader.cache.jobs[name].result(timeout=60)
-    for name in loader.tables:            # the next read of each table switches to its completed copy
-        loader._table_ds(name)
-    local = [n for n, t in loader.tables.items() if t.uri.startswith(str(tmp_path / "cache"))]
-    assert set(local) == set(loader.cache.jobs), "tables copied but not read from the node-local cache"
-    assert run(loader, 4) == run_ranks(make_cfg(store), 1, 14)[0][10:14]
-    cached = list((tmp_path / "cache").glob("*.lance"))
-    assert {p.name.split("@")[0] for p in cached} >= {"high__32x32__t2i", "low__16x16__t2i"}
+    reference, _ = run_ranks(make_cfg(store), 1, 14)
+    assert run(loader, 10) == reference[:10]
+    for _, f in loader.queue:                     # steps already being read
+        f.result()
+    before = loader.cache_stats()
+    assert loader.cache.wait_idle(timeout=60), "the lookahead's fragments were not all installed"
+    assert run(loader, 4) == reference[10:14]
+    for _, f in loader.queue:
+        f.result()
+    after = loader.cache_stats()
+    read = after["rows"] - before["rows"]
+    assert read > 0 and after["rows_local"] - before["rows_local"] == read, "installed fragments read from the store"
+    cached = {p.name.split("@")[0] for p in (tmp_path / "cache").glob("*.lance")}
+    assert {"high__32x32__t2i", "high__32x32__edit", "high__32x32__keyframes"} <= cached
+    assert after["units_copied"] == len(loader.cache.copied) == len(set(loader.cache.copied))
     loader.close()
 
 
-def test_node_cache_evicts_least_recently_used(store, tmp_path):
-    from difftrain.data.store_loader import NodeCache
-    sizes = {}
-    cache = NodeCache(str(tmp_path / "c"), 1e12)
-    for name in ("low/16x16/t2i", "low/16x24/t2i"):
-        cache.request(name, st.table_uri(store, name), 1, set())
-        sizes[name] = sum(f.stat().st_size for f in cache.jobs[name].result().rglob("*") if f.is_file())
+def test_node_cache_evicts_least_recently_wanted(tmp_path):
+    """A fragment that does not fit makes room by evicting the fragment wanted least recently, never one this
+    process still wants; the folder stays under the limit."""
+    from difftrain.data.node_cache import NodeCache
+
+    store = str(tmp_path / "store")
+    cfg = make_cfg(store, stages=[STAGES[0]])
+    stage = parse_stages(cfg)[0]
+    b = stage.buckets[0]
+    name = st.table_name("low", b.name, "t2i")
+    shape = [1, 48, b.h // FACTOR, b.w // FACTOR]
+    info = st.TableInfo(name, "low", b.name, "t2i", 1, shape, st.cache_key(cfg, stage, b, "t2i"), False)
+    for part in range(4):
+        st.write_table(store, info, {"sample_id": list(range(part * 10, part * 10 + 10)),
+                                     "latents": [np.random.default_rng(part).random(shape, np.float32)] * 10})
+    uri = st.table_uri(store, name)
+    ds = st.open_table(uri, name)
+    files = [p for p in Path(uri).rglob("*") if p.is_file()]
+    frag_bytes = max(p.stat().st_size for p in files if p.parent.name == "data")
+    meta_bytes = sum(p.stat().st_size for p in files if "data" not in p.relative_to(uri).parts)
+    cache_dir = tmp_path / "c"
+    limit = meta_bytes + 2.5 * frag_bytes                      # room for two fragments
+    cache = NodeCache(str(cache_dir), limit, {name: (uri, ds)})
+    stems = [Path(f.metadata.files[0].path).stem for f in ds.get_fragments()]
+
+    def installed() -> set[int]:
+        return {i for i, s in enumerate(stems) if (cache_dir / f"low__{b.name}__t2i@v{ds.version}.lance" / "data" /
+                                                   f"{s}.lance").exists()}
+
+    cache.want([(name, 0), (name, 1)])
+    assert cache.wait_idle(60) and installed() == {0, 1}
+    cache.want([(name, 1)])
+    cache.want([(name, 0)])                   # fragment 0 wanted again: now fragment 1 is the least recent
+    cache.want([(name, 0), (name, 2)])
+    assert cache.wait_idle(60) and installed() == {0, 2}
+    used = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+    assert used <= limit and cache.stats()["evicted_units"] == 1
+    cache.want([(name, 0), (name, 2), (name, 3)])  # no room without evicting a wanted fragment: not copied
+    assert not cache.wait_idle(60) and installed() == {0, 2} and cache.stats()["not_fitting"] >= 1
     cache.close()
-    small = NodeCache(str(tmp_path / "c"), max(sizes.values()) * 1.5)      # room for one table
-    small.request("high/32x32/t2i", st.table_uri(store, "high/32x32/t2i"), 1, set())
-    assert small.jobs["high/32x32/t2i"].result() is None or len(list((tmp_path / "c").glob("*.lance"))) <= 2
-    names = {p.name for p in (tmp_path / "c").glob("*.lance")}
-    assert "low__16x16__t2i@v1.lance" not in names            # the least recently used went first
-    small.close()
 
 
 def _gloo_worker(rank: int, world: int, store: str, steps: int, state, port: int, out: str) -> None:

@@ -7,7 +7,8 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
                      "train.sample_every", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_every",
                      "train.async_checkpoint", "train.metrics_port", "train.threads", "train.compile",
                      "train.compile_cache", "train.micro_batch", "data.read_threads", "data.prefetch",
-                     "data.cache_dir", "data.cache_gb", "data.max_error_rate", "sample.", "eval.", "health.")
+                     "data.cache_dir", "data.cache_gb", "data.cache_lookahead", "data.max_error_rate", "sample.",
+                     "eval.", "health.")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

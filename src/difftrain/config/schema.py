@@ -109,10 +109,14 @@ class DataConfig:
                               "crop = center | random, mixture = {source = weight}}", factory=list)
     latent_dtype: str = meta("how latents are kept in the store (bf16 as its raw 16-bit pattern: half the bytes)",
                              choices=("bf16", "fp32"), default="bf16")
-    cache_dir: str = meta("node-local cache directory in front of a shared store ('' = read the store directly)",
-                          default="")
-    cache_gb: float = meta("size limit of the node-local cache; least recently used tables are evicted", gt=0,
-                           default=50.0)
+    cache_dir: str = meta("node-local cache folder in front of a shared store, shared by the node's processes: "
+                          "the Lance fragments the next steps read are copied there, one copy per node ('' = read "
+                          "the store directly)", default="")
+    cache_gb: float = meta("size limit of the node-local cache: bounds every file in data.cache_dir, copies in "
+                           "progress included; the least recently wanted fragments are evicted", gt=0, default=50.0)
+    cache_lookahead: int = meta("planned steps ahead of the reads whose Lance fragments the node-local cache copies, "
+                                "first needed first (beyond data.prefetch, the steps already being read)", ge=1,
+                                default=32)
     prefetch: int = meta("global batches read ahead of the optimizer (per rank)", ge=1, default=4)
     read_threads: int = meta("threads reading and collating store batches", ge=1, default=2)
     max_error_rate: float = meta("fraction of per-sample faults (unreadable images, bad rows) tolerated before a "

@@ -28,24 +28,24 @@ size that divides the global batches continues the same sample sequence.
 ``take`` by row), decoding bits and collating run in a thread pool ``data.prefetch`` steps ahead,
 into pinned memory on GPU machines, so the trainer's copy is non-blocking.
 
-**Location-aware.** With ``data.cache_dir``, every table of the current and the next stage is copied in
-the background to a node-local cache (size limit ``data.cache_gb``, least recently used tables
-evicted); a table is read from the cache once its copy is complete, from the shared store until then.
+**Location-aware.** With ``data.cache_dir``, the Lance fragments this rank reads in the next
+``data.cache_lookahead`` steps (planned ahead: the plan is a pure function of the stream positions) are copied
+in plan order to a node-local folder shared by the node's processes (``node_cache.py``: one copy per node, at
+most ``data.cache_gb``, least recently wanted fragments evicted). Each read is split by fragment: rows of
+installed fragments from the local copy, the others from the shared store, merged by sample id.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import logging
-import os
-import shutil
 import threading
-import time
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from difftrain.data import store as st
 from difftrain.data.batch import Batch, assemble_packed
 from difftrain.config.stages import Stage, parse_stages
 from difftrain.data.curriculum import stage_at
+from difftrain.data.node_cache import Lookahead, NodeCache
 from difftrain.errors import UserError
 from difftrain.models.text import TextEmbedding, pad_tokens, text_length
 
@@ -225,84 +226,6 @@ class _Table:
         return self.ids.nbytes + self.rows.nbytes + (self.txt_len.nbytes if self.txt_len is not None else 0)
 
 
-class NodeCache:
-    """Copies tables from a shared store into a node-local directory, ahead of use, with LRU eviction."""
-
-    def __init__(self, directory: str, limit_bytes: float):
-        self.dir, self.limit = Path(directory), float(limit_bytes)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="difftrain-cache")
-        self.jobs: dict[str, Future] = {}
-        self.lock = threading.Lock()
-
-    def _local(self, name: str, version: int) -> Path:
-        return self.dir / f"{name.replace('/', '__')}@v{version}.lance"
-
-    def _stamp(self, path: Path) -> None:
-        (path.parent / (path.name + ".used")).write_text(str(time.time()))
-
-    def _size(self, path: Path) -> int:
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-    def _evict(self, need: int, keep: set[Path]) -> bool:
-        entries = []
-        for p in self.dir.glob("*.lance"):
-            used = p.parent / (p.name + ".used")
-            entries.append((float(used.read_text()) if used.exists() else 0.0, p))
-        total = sum(self._size(p) for _, p in entries)
-        for _, p in sorted(entries):
-            if total + need <= self.limit:
-                break
-            if p in keep:
-                continue
-            total -= self._size(p)
-            shutil.rmtree(p, ignore_errors=True)
-            (p.parent / (p.name + ".used")).unlink(missing_ok=True)
-            log.info("node cache: evicted %s", p.name)
-        return total + need <= self.limit
-
-    def _copy(self, name: str, uri: str, version: int, keep: set[Path]) -> Path | None:
-        import fsspec
-        fs, root = fsspec.core.url_to_fs(uri)
-        need = sum(int(v.get("size", 0) or 0) for v in fs.find(root, detail=True).values())
-        dst = self._local(name, version)
-        if not self._evict(need, keep | {dst}):
-            log.warning("node cache: %s (%.1f MB) does not fit in data.cache_gb; read from the store", name, need / 1e6)
-            return None
-        tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        fs.get(root.rstrip("/") + "/", str(tmp) + "/", recursive=True)
-        os.replace(tmp, dst)
-        self._stamp(dst)
-        return dst
-
-    def request(self, name: str, uri: str, version: int, keep: set[str]) -> None:
-        with self.lock:
-            if name in self.jobs:
-                return
-            dst = self._local(name, version)
-            if dst.is_dir():
-                fut: Future = Future()
-                fut.set_result(dst)
-                self._stamp(dst)
-            else:
-                fut = self.pool.submit(self._copy, name, uri, version, {self._local(k, version) for k in keep})
-            self.jobs[name] = fut
-
-    def ready(self, name: str) -> Path | None:
-        fut = self.jobs.get(name)
-        if fut is None or not fut.done():
-            return None
-        try:
-            return fut.result()
-        except Exception as e:  # noqa: BLE001 - the shared store still serves the table
-            log.warning("node cache: copying %s failed (%s); reading from the store", name, e)
-            return None
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
 class StoreLoader:
     """Yields, per optimizer step, this data rank's micro-batches of the step's global batch."""
 
@@ -347,7 +270,10 @@ class StoreLoader:
         self.read_errors = 0        # rows unreadable when read (checked against the rows read)
         self.samples_read = 0
         self._check_world(0)
-        self.cache = NodeCache(d.cache_dir, d.cache_gb * 1e9) if d.cache_dir else None
+        self.cache = (NodeCache(d.cache_dir, d.cache_gb * 1e9, {n: (t.uri, t.ds) for n, t in self.tables.items()})
+                      if d.cache_dir else None)
+        self._lookahead: Lookahead | None = None
+        self.served = {"rows": 0, "rows_local": 0, "bytes": 0, "bytes_from_store": 0}
         self.pool = ThreadPoolExecutor(d.read_threads, thread_name_prefix="difftrain-read")
         self.queue: deque[tuple[dict, Future]] = deque()
         self.planned = 0                  # steps planned (>= self.step, the steps consumed)
@@ -435,37 +361,65 @@ class StoreLoader:
 
     # ---- reading ---------------------------------------------------------------------------------
     def _table_ds(self, name: str):
-        t = self.tables[name]
-        if self.cache is not None:
-            local = self.cache.ready(name)
-            if local is not None and t.uri != str(local):
-                import lance
-                t.ds, t.uri = lance.dataset(str(local), version=t.version), str(local)
-        return t
+        return self.tables[name]
 
     def _columns(self, table: _Table) -> list[str]:
         return ["sample_id", "caption"] + (["txt", "txt_len", "pooled"] if table.info.text_embeddings else [])
 
+    def _take(self, table: _Table, ds, rows_idx: list[int], buf: np.ndarray, slots: list[int], ids: list[int]):
+        """Index columns of ``rows_idx`` by ``take``; their latents by ``take_blobs`` into ``buf[slots]``."""
+        t = ds.take(rows_idx, columns=self._columns(table))
+        for j, blob in zip(slots, ds.take_blobs("latents", indices=rows_idx)):
+            with blob:
+                view = memoryview(buf[j]).cast("B")
+                if blob.readinto(view) != view.nbytes:
+                    raise ValueError(f"sample {ids[j]}: latent blob shorter than {view.nbytes} bytes")
+        return t
+
     def _rows(self, table: _Table, ids: list[int], at: np.ndarray) -> dict[int, dict]:
         """Rows of the samples at index positions ``at`` (whose ids are ``ids``), keyed by sample id: index
         columns by ``take``, latents by ``take_blobs`` read straight into one buffer (no Python lists, one copy
-        from the file)."""
-        rows_idx = table.rows[at].astype(np.int64).tolist()
-        t = table.ds.take(rows_idx, columns=self._columns(table))
+        from the file). With a node cache, rows of installed fragments are read from the local copy (again from
+        the store if that fails), the others from the shared store; the parts are merged in the plan's order."""
+        import pyarrow as pa
+
+        rows_idx = table.rows[at].astype(np.int64)
+        bits = np.uint16 if self.latent_dtype == "bf16" else np.uint32
+        values = int(np.prod(table.info.latent_shape))
+        buf = np.empty((len(rows_idx), values), dtype=bits)
+        local_ds, local = (self.cache.split(table.info.name, rows_idx) if self.cache is not None
+                           else (None, None))
+        parts = [(table.ds, np.arange(len(rows_idx)), False)]
+        if local_ds is not None:
+            parts = [(local_ds, np.flatnonzero(local), True), (table.ds, np.flatnonzero(~local), False)]
+        got_parts, from_local = [], 0
+        for ds, sel, is_local in parts:
+            if not len(sel):
+                continue
+            args = (rows_idx[sel].tolist(), buf, sel.tolist(), ids)
+            try:
+                got_parts.append((sel, self._take(table, ds, *args)))
+                from_local += len(sel) if is_local else 0
+            except Exception as e:  # noqa: BLE001 - a local fragment evicted meanwhile: the store has it
+                if not is_local:
+                    raise
+                self.cache.read_failed(table.info.name, e)
+                got_parts.append((sel, self._take(table, table.ds, *args)))
+        order = np.concatenate([sel for sel, _ in got_parts])
+        t = pa.concat_tables([p for _, p in got_parts])
+        if len(got_parts) > 1:
+            t = t.take(pa.array(np.argsort(order)))
         n = t.num_rows
         if n == 0:
             return {}
         got = t["sample_id"].to_numpy()
         if got.tolist() != list(ids):
             raise RuntimeError(f"rows of {table.info.name} came back out of order")
-        bits = np.uint16 if self.latent_dtype == "bf16" else np.uint32
-        values = int(np.prod(table.info.latent_shape))
-        buf = np.empty((n, values), dtype=bits)
-        for j, blob in enumerate(table.ds.take_blobs("latents", indices=rows_idx)):
-            with blob:
-                view = memoryview(buf[j]).cast("B")
-                if blob.readinto(view) != view.nbytes:
-                    raise ValueError(f"sample {ids[j]}: latent blob shorter than {view.nbytes} bytes")
+        with self.count_lock:
+            self.served["rows"] += n
+            self.served["rows_local"] += from_local
+            self.served["bytes"] += buf.nbytes
+            self.served["bytes_from_store"] += (n - from_local) * buf.itemsize * values
         captions = t["caption"].to_pylist()
         rows = {int(got[i]): {"latents": buf[i], "caption": captions[i], "_buf": buf, "_i": i} for i in range(n)}
         if "txt" in t.column_names:
@@ -581,23 +535,31 @@ class StoreLoader:
 
     # ---- iteration -------------------------------------------------------------------------------
     def _request_cache(self) -> None:
+        """Post the next step to plan and the stream positions it starts from to the lookahead, which plans
+        data.cache_lookahead steps from there in a thread of its own, on a copy of the streams (the plan is a
+        pure function of their positions: the loader's state is untouched), and asks the node cache for the
+        fragments this rank will read, first needed first. A resume posts other positions: it starts over."""
         if self.cache is None:
             return
-        current = stage_at(self.stages, self.planned)
-        wanted = [s for s in self.stages[current.index:current.index + 2]]
-        keep = {n for n, t in self.tables.items() if t.info.stage in {s.name for s in wanted}}
-        for name in sorted(keep):
-            t = self.tables[name]
-            if not t.uri.startswith(str(self.cache.dir)):
-                self.cache.request(name, st.table_uri(self.store, name), t.version, keep)
+        if self._lookahead is None:
+            shadow = copy.copy(self)          # the same plan on streams of its own
+            shadow.streams = {k: [dataclasses.replace(s) for s in v] for k, v in self.streams.items()}
+            self._lookahead = Lookahead(self.cache, self.cfg.data.cache_lookahead, shadow, self._fragments_read)
+        self._lookahead.post(self.planned, self._positions())
+
+    def _fragments_read(self, plan: dict) -> list[tuple[str, int]]:
+        """(table, fragment) this rank reads for ``plan``, in the order its rows meet them."""
+        share = plan["bucket"].global_batch // self.num_ranks
+        at = plan["at"][self.rank * share:(self.rank + 1) * share]
+        return [(plan["table"], f) for f in self.cache.fragments(plan["table"], self.tables[plan["table"]].rows[at])]
 
     def _fill(self) -> None:
-        self._request_cache()
         while len(self.queue) < self.cfg.data.prefetch:
             plan = self._plan(self.planned)
             self.planned += 1
             after = {"step": self.planned, "positions": self._positions()}
             self.queue.append((after, self.pool.submit(self._build, plan)))
+        self._request_cache()
 
     def __iter__(self) -> "StoreLoader":
         return self
@@ -610,6 +572,20 @@ class StoreLoader:
         self._fill()
         return batches
 
+    def cache_stats(self) -> dict:
+        """Read and node-cache counters of this process: rows and bytes served (``bytes``: latents), the share of
+        rows read from the node-local copy (``hit_rate``), bytes read from the shared store (fragments copied
+        into the cache plus latents read directly) over bytes served, and the cache's own counters (copies,
+        evictions, orphaned temporary copies removed, faults; ``disabled`` says why it stopped copying)."""
+        with self.count_lock:
+            out = dict(self.served)
+        cache = self.cache.stats() if self.cache is not None else {"bytes_copied": 0, "disabled": "no data.cache_dir"}
+        out.update(cache)
+        out["store_bytes_read"] = out["bytes_from_store"] + cache["bytes_copied"]
+        out["hit_rate"] = out["rows_local"] / out["rows"] if out["rows"] else 0.0
+        out["store_bytes_read_over_bytes_served"] = out["store_bytes_read"] / out["bytes"] if out["bytes"] else 0.0
+        return out
+
     @property
     def errors(self) -> int:
         """Per-sample faults so far: rows lost to damaged fragments and rows unreadable when read."""
@@ -619,6 +595,8 @@ class StoreLoader:
         for _, f in self.queue:
             f.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._lookahead is not None:
+            self._lookahead.close()
         if self.cache is not None:
             self.cache.close()
 
