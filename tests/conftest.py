@@ -14,6 +14,15 @@ TINY = [
 ]
 
 
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for every test module that prepares a store (starting Ray costs seconds)."""
+    from difftrain.data.prepare import start_ray
+    ray = start_ray()
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture
 def tiny_cfg():
     """A config small enough for a CPU test: 32x32 images, 4x4 tokens a frame, a ~50k-parameter DiT."""

@@ -1,6 +1,6 @@
 """``difftrain prepare`` on Ray Data, and the whole path on the exported shapes world:
 export -> prepare (filters with reasons, buckets, Lance tables) -> train through a two-stage curriculum
-from the store -> eval. One local Ray for the module."""
+from the store -> eval. One local Ray for the session (conftest)."""
 
 from __future__ import annotations
 
@@ -39,14 +39,6 @@ def shapes_cfg(export: Path, store: Path, *extra: str):
     return load_config(preset_path("shapes-store"), TINY + [
         "autoencoder.factor=8", f"data.sources={sources}", f"data.store={store}", f"data.stages={STAGES}",
         "data.image_size=32", "data.world_size=64", *extra])
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    from difftrain.data.prepare import start_ray
-    ray = start_ray()
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
