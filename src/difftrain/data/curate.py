@@ -30,6 +30,7 @@ from difftrain.errors import UserError
 _U64 = (1 << 64) - 1
 _SCORE_PREFIX = "score_"
 RECORD_META_KEY = b"difftrain.curation"
+RECORD_SIDECAR = "_difftrain.json"      # a record folder's extra (readers of Parquet parts skip "_" files)
 
 
 @dataclass
@@ -401,12 +402,21 @@ def write_record(path: str | os.PathLike, samples: Sequence[RawSample], facts: S
 
 
 def read_record(path: str | os.PathLike) -> Any:
-    """The curation record (a local path or an fsspec URI) as a ``pyarrow.Table``."""
+    """The curation record (a local path or an fsspec URI) as a ``pyarrow.Table``: one Parquet file
+    (``write_record``) or a folder of Parquet parts (``difftrain prepare``, whose ``extra`` sidecar
+    ``RECORD_SIDECAR`` comes back in the schema metadata)."""
     import fsspec
     import pyarrow.parquet as pq
 
     target = os.fspath(path)
     fs, fpath = fsspec.core.url_to_fs(target)
+    if fs.isdir(fpath):
+        table = pq.read_table(fpath, filesystem=fs)          # files named "_*" or ".*" are not parts
+        sidecar = f"{fpath.rstrip('/')}/{RECORD_SIDECAR}"
+        if fs.isfile(sidecar):
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                                   RECORD_META_KEY: fs.cat_file(sidecar)})
+        return table
     if not fs.isfile(fpath):
         raise UserError(f"{target}: curation record not found")
     with fs.open(fpath, "rb") as f:
