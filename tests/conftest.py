@@ -14,6 +14,16 @@ TINY = [
 ]
 
 
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for every test module that prepares a store (starting Ray costs seconds). Three logical
+    CPUs (on however many cores): room for two encoder actors and a decode task."""
+    from difftrain.data.prepare import start_ray
+    ray = start_ray(num_cpus=3)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture
 def tiny_cfg():
     """A config small enough for a CPU test: 32x32 images, 4x4 tokens a frame, a ~50k-parameter DiT."""

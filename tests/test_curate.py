@@ -153,6 +153,7 @@ def test_filter_order_decides_the_reason():
     ([{"kind": "near_dup"}], r"data\.filters\[0\]\.distance: missing"),
     ([{"kind": "near_dup", "distance": 2.5}], r"data\.filters\[0\]\.distance: expected an integer"),
     ([{"kind": "near_dup", "distance": 40}], r"data\.filters\[0\]\.distance: expected 0\.\.31"),
+    ([{"kind": "near_dup", "distance": 2, "window": 0}], r"data\.filters\[0\]\.window: expected at least 1"),
     ([{"kind": "score", "min": 1}], r"data\.filters\[0\]\.column: missing"),
     ([{"kind": "score", "column": "q"}], r"data\.filters\[0\]\.min: a 'score' filter needs"),
     ([{"kind": "caption", "min_words": "3"}], r"data\.filters\[0\]\.min_words: expected an integer"),
@@ -271,6 +272,26 @@ def test_near_dup_scales_past_quadratic_on_distinct_hashes():
     facts = [Facts(8, 8, f"s{i}", h) for i, h in enumerate(hashes)]
     reasons = run([{"kind": "near_dup", "distance": 3}], samples, facts)  # n^2/2 = 2e8 compares would time out
     assert reasons == [""] * n
+
+
+def test_near_dup_window_bounds_the_comparisons_on_skewed_hashes():
+    """Distinct hashes sharing their top 48 bits fill one bucket of three bands of four: compared within the
+    window, a row costs at most (distance + 1) x window comparisons; a window as large as the bucket finds every
+    pair, as brute force does."""
+    from difftrain.data.near_dup import near_dup_keepers
+
+    rng = random.Random(5)
+    top = rng.getrandbits(48) << 16
+    hashes = [top | rng.getrandbits(16) for _ in range(300)]
+    hashes = [h - (1 << 64) if h >= 1 << 63 else h for h in hashes]
+    ids = [sample(f"s{i}").sample_id for i in range(len(hashes))]
+    keep, compared = near_dup_keepers(ids, hashes, 3, window=4)
+    assert compared <= 4 * 4 * len(ids) and compared > 3 * 3 * len(ids)       # the crowded bands are capped
+    full, compared_full = near_dup_keepers(ids, hashes, 3, window=len(ids))
+    assert compared_full > 10 * compared
+    want = brute_greedy(ids, hashes, 3)
+    assert ["" if k < 0 else f"near_dup: {k}" for k in full.tolist()] == want
+    assert sum(bool(r) for r in want) > 20
 
 
 # --------------------------------------------------------------------------- record

@@ -1,6 +1,6 @@
 """``difftrain prepare`` on Ray Data, and the whole path on the exported shapes world:
 export -> prepare (filters with reasons, buckets, Lance tables) -> train through a two-stage curriculum
-from the store -> eval. One local Ray for the module."""
+from the store -> eval. One local Ray for the session (conftest)."""
 
 from __future__ import annotations
 
@@ -42,14 +42,6 @@ def shapes_cfg(export: Path, store: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    from difftrain.data.prepare import start_ray
-    ray = start_ray()
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def export(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     export_shapes(root, n=(48, 32, 24), sizes=(32, 64), frames=3)
@@ -87,9 +79,10 @@ def test_every_input_row_is_in_the_record_with_its_reason(prepared, export):
     for r in rec:
         assert (r["outcome"] == "kept") == (r["reason"] == ""), r
     assert info                                              # the export described what it planted
-    # Ray really ran the work: facts in tasks, fragments written in tasks, none in this process
-    assert summary["facts_pids"] and os.getpid() not in summary["facts_pids"]
+    # Ray really ran the work: fragments written in tasks, none in this process (facts: test_prepare_scale.py)
     assert summary["write_pids"] and os.getpid() not in summary["write_pids"]
+    assert summary["encoder_actors"] == len(summary["encoder_rows"]) >= 1 and summary["decode_tasks"] >= 1
+    assert sum(summary["encoder_rows"]) == summary["encoded"]
 
 
 def test_dry_run_counts_without_encoding(ray_local, export, tmp_path, prepared):
@@ -156,9 +149,11 @@ def test_store_with_other_settings_is_refused_and_left_intact(ray_local, export,
 
 def test_error_rate_stops_before_writing(ray_local, export, tmp_path):
     cfg = shapes_cfg(export, tmp_path / "strict", "data.max_error_rate=0.0")
-    with pytest.raises(UserError, match=r"could not be read or decoded.*curation.parquet"):
+    with pytest.raises(UserError, match=r"could not be read or decoded.*curation.failed.parquet"):
         prepare(cfg, progress=False)
-    assert (tmp_path / "strict" / "curation.parquet").exists()
+    failed = read_record(tmp_path / "strict" / "curation.failed.parquet").to_pylist()
+    assert any(r["reason"].startswith("decode: ") for r in failed)
+    assert not (tmp_path / "strict" / "curation.parquet").exists()      # no successful prepare yet
     assert not (tmp_path / "strict" / "tables").exists()
 
 
@@ -214,9 +209,12 @@ def test_prepare_killed_with_sigkill_resumes_to_the_same_content(ray_local, expo
     partial = table_content(str(store))
     n_partial = sum(len(v) for v in partial.values())
     assert 0 < n_partial < prepared[1]["encoded"]
+    assert not (store / "curation.parquet").exists()                 # a killed run swaps no record in
     done = prepare(cfg, progress=False, commit_every=8)
     assert done["encoded"] == prepared[1]["encoded"] - n_partial     # only what was missing
     assert table_content(str(store)) == table_content(prepared[0].data.store)
+    assert sorted(p.name for p in store.iterdir() if p.name.startswith(".")) == []   # the killed run's parts are gone
+    assert read_record(store / "curation.parquet").num_rows == prepared[1]["inputs"]
 
 
 def test_frozen_text_encoders_store_embeddings_the_trainer_reads(ray_local, export, tmp_path, tiny, tiny_vae):

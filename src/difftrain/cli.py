@@ -306,7 +306,6 @@ def cmd_prepare(args) -> int:
     _check_positive("--commit-every", args.commit_every)
     summary = prepare(cfg, dry_run=args.dry_run, ray_address=args.ray_address, overwrite=args.overwrite,
                       progress=not args.no_progress, commit_every=args.commit_every)
-    summary.pop("facts_pids", None)
     summary.pop("write_pids", None)
     if args.dry_run:
         width = max([len(r) for r in summary["reasons"]] + [8])

@@ -103,10 +103,18 @@ class DataConfig:
     sources: list[dict] = meta("raw inputs of 'difftrain prepare': [[data.sources]] tables {name, kind = folder | "
                                "manifest | webdataset | edit | keyframes, path, task}", factory=list)
     filters: list[dict] = meta("curation, applied in order: [[data.filters]] tables {kind = size | area | aspect | "
-                               "caption | exact_dup | near_dup | score, ...}", factory=list)
+                               "caption | exact_dup | near_dup | score, ...}; near_dup {distance, window = 32}: "
+                               "phashes within distance bits, each compared with at most window others per band",
+                               factory=list)
     stages: list[dict] = meta("the curriculum: [[data.stages]] tables {name, start_step, buckets = [[h, w], ...] or "
                               "[{size = [h, w], global_batch, micro_batch}], global_batch, micro_cost, cost_power, "
                               "crop = center | random, mixture = {source = weight}}", factory=list)
+    encoder_actors: int = meta("'difftrain prepare': autoencoder (and frozen text encoder) actors on the Ray cluster; "
+                               "0 = one per GPU, or on a cluster without GPUs half its CPUs (each actor runs torch "
+                               "on one thread; the other CPUs decode and write)", ge=0, default=0)
+    encoder_device: str = meta("'difftrain prepare': where encoder actors run: 'auto' (one GPU each where the cluster "
+                               "has GPUs, else CPUs), 'gpu' (refused on a cluster without GPUs) or 'cpu'",
+                               choices=("auto", "gpu", "cpu"), default="auto")
     latent_dtype: str = meta("how latents are kept in the store (bf16 as its raw 16-bit pattern: half the bytes)",
                              choices=("bf16", "fp32"), default="bf16")
     cache_dir: str = meta("node-local cache folder in front of a shared store, shared by the node's processes: "

@@ -24,11 +24,13 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from difftrain.data.ingest import RawSample, RefError, read_ref
+from difftrain.data.near_dup import WINDOW, bands, near_dup_keepers
 from difftrain.errors import UserError
 
 _U64 = (1 << 64) - 1
 _SCORE_PREFIX = "score_"
 RECORD_META_KEY = b"difftrain.curation"
+RECORD_SIDECAR = "_difftrain.json"      # a record folder's extra (readers of Parquet parts skip "_" files)
 
 
 @dataclass
@@ -130,7 +132,7 @@ _FILTER_KEYS: dict[str, dict[str, tuple[type, ...]]] = {
     "aspect": {"min": (int, float), "max": (int, float)},
     "caption": {"min_words": (int,), "max_words": (int,), "max_chars": (int,)},
     "exact_dup": {},
-    "near_dup": {"distance": (int,)},
+    "near_dup": {"distance": (int,), "window": (int,)},
     "score": {"column": (str,), "min": (int, float), "max": (int, float)},
 }
 _REQUIRED = {"near_dup": ("distance",), "score": ("column",)}
@@ -170,6 +172,8 @@ def check_filters(filters: Sequence[dict]) -> list[dict]:
                 raise _filter_error(i, key, f"missing; a {kind!r} filter needs it")
         if kind == "near_dup" and not 0 <= f["distance"] <= 31:
             raise _filter_error(i, "distance", f"expected 0..31 bits, got {f['distance']}")
+        if kind == "near_dup" and f.get("window", 1) < 1:
+            raise _filter_error(i, "window", f"expected at least 1 comparison, got {f['window']}")
         if kind == "score" and "min" not in f and "max" not in f:
             raise _filter_error(i, "min", "a 'score' filter needs 'min', 'max' or both")
         for lo, hi in (("min", "max"), ("min_side", "max_side"), ("min_words", "max_words")):
@@ -235,13 +239,6 @@ def _score_reason(f: dict, scores: dict[str, float]) -> str:
 # --------------------------------------------------------------------------- dedup
 
 
-def _bands(distance: int) -> list[tuple[int, int]]:
-    """(shift, mask) of ``distance + 1`` bands covering the 64 bits as evenly as possible."""
-    n = distance + 1
-    edges = [round(64 * k / n) for k in range(n + 1)]
-    return [(lo, (1 << (hi - lo)) - 1) for lo, hi in zip(edges[:-1], edges[1:])]
-
-
 def near_dup_pairs(hashes: Sequence[int], distance: int) -> list[tuple[int, int]]:
     """Every index pair (i < j) whose 64-bit hashes differ in at most ``distance`` bits.
 
@@ -250,7 +247,7 @@ def near_dup_pairs(hashes: Sequence[int], distance: int) -> list[tuple[int, int]
     """
     vals = [h & _U64 for h in hashes]
     pairs: set[tuple[int, int]] = set()
-    for b, (shift, mask) in enumerate(_bands(distance)):
+    for b, (shift, mask) in enumerate(bands(distance)):
         buckets: dict[int, list[int]] = {}
         for i, v in enumerate(vals):
             buckets.setdefault((v >> shift) & mask, []).append(i)
@@ -279,25 +276,11 @@ def _exact_dup(samples: Sequence[RawSample], facts: Sequence[Facts], alive: list
 
 
 def _near_dup(samples: Sequence[RawSample], facts: Sequence[Facts], alive: list[int], ids: Sequence[int],
-              distance: int) -> dict[int, str]:
-    """Greedy in sample_id order: a sample within ``distance`` of an already kept one is dropped
-    (reason: the smallest such kept id); otherwise it is kept and indexed under each of its bands."""
-    bands = _bands(distance)
-    tables: list[dict[int, list[int]]] = [{} for _ in bands]
-    dropped: dict[int, str] = {}
-    for i in _order(samples, alive, ids):
-        v = facts[i].phash & _U64
-        best = None
-        for (shift, mask), table in zip(bands, tables):
-            for k in table.get((v >> shift) & mask, ()):
-                if (v ^ (facts[k].phash & _U64)).bit_count() <= distance and (best is None or ids[k] < ids[best]):
-                    best = k
-        if best is not None:
-            dropped[i] = f"near_dup: {ids[best]}"
-            continue
-        for (shift, mask), table in zip(bands, tables):
-            table.setdefault((v >> shift) & mask, []).append(i)
-    return dropped
+              distance: int, window: int) -> dict[int, str]:
+    """In sample_id order, a sample within ``distance`` of an already kept one is dropped (reason: the smallest
+    such kept id), over the pairs the bounded candidate search of ``near_dup`` finds (the rule prepare runs)."""
+    keepers, _ = near_dup_keepers([ids[i] for i in alive], [facts[i].phash for i in alive], distance, window)
+    return {i: f"near_dup: {k}" for i, k in zip(alive, keepers.tolist()) if k >= 0}
 
 
 # --------------------------------------------------------------------------- apply
@@ -332,7 +315,7 @@ def apply_filters(samples: Sequence[RawSample], facts: Sequence[Facts],
             for i, r in _exact_dup(samples, facts, alive, ids).items():
                 reasons[i] = r
         elif kind == "near_dup":
-            for i, r in _near_dup(samples, facts, alive, ids, f["distance"]).items():
+            for i, r in _near_dup(samples, facts, alive, ids, f["distance"], f.get("window", WINDOW)).items():
                 reasons[i] = r
     return [(not r, r) for r in reasons]
 
@@ -419,12 +402,21 @@ def write_record(path: str | os.PathLike, samples: Sequence[RawSample], facts: S
 
 
 def read_record(path: str | os.PathLike) -> Any:
-    """The curation record (a local path or an fsspec URI) as a ``pyarrow.Table``."""
+    """The curation record (a local path or an fsspec URI) as a ``pyarrow.Table``: one Parquet file
+    (``write_record``) or a folder of Parquet parts (``difftrain prepare``, whose ``extra`` sidecar
+    ``RECORD_SIDECAR`` comes back in the schema metadata)."""
     import fsspec
     import pyarrow.parquet as pq
 
     target = os.fspath(path)
     fs, fpath = fsspec.core.url_to_fs(target)
+    if fs.isdir(fpath):
+        table = pq.read_table(fpath, filesystem=fs)          # files named "_*" or ".*" are not parts
+        sidecar = f"{fpath.rstrip('/')}/{RECORD_SIDECAR}"
+        if fs.isfile(sidecar):
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                                   RECORD_META_KEY: fs.cat_file(sidecar)})
+        return table
     if not fs.isfile(fpath):
         raise UserError(f"{target}: curation record not found")
     with fs.open(fpath, "rb") as f:

@@ -1,16 +1,21 @@
 """``difftrain prepare CONFIG``: raw pairs -> curation record -> latent store, on Ray Data.
 
-1. Every ``[[data.sources]]`` is listed (``ingest.iter_source``).
+1. Every ``[[data.sources]]`` is listed in a Ray read task (``curation_ops``).
 2. **Facts** (size, content hash, perceptual hash, decode errors) are read in Ray tasks.
-3. **Filters** (``[[data.filters]]``, in order) run on the driver, where duplicates are seen globally;
-   every input row lands in ``curation.parquet`` with its outcome and the reason it was dropped.
-   ``--dry-run`` stops here and prints the counts per reason.
-4. Each kept sample goes to one bucket of every stage whose mixture names its source, by aspect ratio.
+3. **Filters** (``[[data.filters]]``, in order) run as Ray Data operations: per-row maps, a sort on the
+   content hash for exact duplicates, banded perceptual hashes for near duplicates (``near_dup``); every
+   input row lands in the curation record, written by Ray as Parquet parts beside ``curation.parquet`` and
+   swapped in only when the prepare succeeds. ``--dry-run`` stops here and prints the counts per reason.
+4. Each kept sample goes to one bucket of every stage whose mixture names its source, by aspect ratio; the
+   sample ids a table already holds (read from its Lance version in the tasks) are left out.
 5. **Encoding** streams through Ray Data: decode + resize-to-cover + crop in CPU tasks, the autoencoder
-   (and frozen text encoders) in actors (one GPU each where GPUs exist), Lance fragments written in Ray
-   tasks; the driver commits them table by table every ``commit_every`` rows (each commit a new Lance
-   version). A killed prepare leaves every committed version intact and a re-run encodes only the
-   sample ids missing from each table, so it finishes with the same content per sample id.
+   (and frozen text encoders) in ``data.encoder_actors`` actors (one per GPU where the cluster has GPUs), Lance
+   fragments written in Ray tasks; the driver commits them table by table every ``commit_every`` rows (each
+   commit a new Lance version). A killed or failed prepare leaves every committed version and the previous
+   curation record intact, and a re-run encodes only the sample ids missing from each table, so it finishes
+   with the same content per sample id.
+
+The driver holds counters (per reason, per table, per encoder actor), never a list of the rows.
 """
 
 from __future__ import annotations
@@ -19,24 +24,31 @@ import json
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import numpy as np
 
-from difftrain.data import store as st
 from difftrain.config.autoencoder import autoencoder_geometry
+from difftrain.config.load import to_dict
 from difftrain.config.stages import parse_stages
-from difftrain.data.curriculum import assign_bucket
+from difftrain.data import store as st
+from difftrain.data.curation_ops import (RECORD_NAME, StagedRecord, check_sources, curated_dataset, local_path,
+                                         reason_tally, user_error_in)
+from difftrain.data.ingest import TASKS
+from difftrain.data.prepare_plan import (PLAN_COLUMNS, encoder_counts, encoder_plan, missing_rows, table_rows,
+                                         table_tally, table_versions)
 from difftrain.errors import UserError
 
 log = logging.getLogger("difftrain")
+FAILED_RECORD = "curation.failed.parquet"    # the record of a prepare refused for its decode errors
 
 
 # --------------------------------------------------------------------------- Ray
 
-def start_ray(address: str | None = None):
-    """Connect to ``address`` (an existing cluster) or start a local Ray once per process."""
+def start_ray(address: str | None = None, num_cpus: int | None = None):
+    """Connect to ``address`` (an existing cluster) or start a local Ray once per process, with ``num_cpus``
+    logical CPUs (default: the machine's, at least 2)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
@@ -46,40 +58,19 @@ def start_ray(address: str | None = None):
         if address:
             ray.init(address=address, **kwargs)
         else:       # a new local cluster, never one another process on this machine happens to run
-            ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), **kwargs)
+            ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), **kwargs)
     from ray.data import DataContext
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     if hasattr(ctx, "print_on_execution_start"):
         ctx.print_on_execution_start = False
+    # Encoder actors start together (each gets its share from the first batch on), and an actor pool the
+    # cluster cannot host fails after this long instead of waiting for ever.
+    ctx.wait_for_min_actors_s = 600
     return ray
 
 
 # --------------------------------------------------------------------------- per-sample work (Ray tasks)
-
-def _sample_of(row: dict):
-    from difftrain.data.ingest import RawSample
-    return RawSample(row["source"], row["key"], row["task"], list(row["refs"]), row["caption"],
-                     row.get("caption_error") or "", json.loads(row["scores"]))
-
-
-def _facts_batch(batch: dict) -> dict:
-    from difftrain.data.curate import facts_for
-    out: dict[str, list] = {"idx": [], "width": [], "height": [], "sha256": [], "phash": [], "error": [],
-                            "frames": [], "pid": []}
-    for i in range(len(batch["idx"])):
-        row = {k: batch[k][i] for k in batch}
-        f = facts_for(_sample_of(row))
-        out["idx"].append(int(row["idx"]))
-        out["width"].append(int(f.width))
-        out["height"].append(int(f.height))
-        out["sha256"].append(f.sha256)
-        out["phash"].append(int(f.phash))
-        out["error"].append(f.error)
-        out["frames"].append(len(row["refs"]))
-        out["pid"].append(os.getpid())
-    return out
-
 
 def resize_cover_crop(img, h: int, w: int, crop: str, seed: int) -> tuple[np.ndarray, list[int]]:
     """Resize (Lanczos) so the image covers h x w, then crop h x w (centre, or at a position drawn from the
@@ -133,7 +124,7 @@ def _decode_batch(batch: dict) -> dict:
 class _Encode:
     """An actor holding the autoencoder (and frozen text encoders): pixels -> latent bits (+ text bits)."""
 
-    def __init__(self, cfg_dict: dict):
+    def __init__(self, cfg_dict: dict, threads: int = 1):
         import torch
 
         from difftrain.config.load import from_dict
@@ -142,6 +133,8 @@ class _Encode:
         self.cfg = from_dict(cfg_dict, "prepare")
         ae = self.cfg.autoencoder
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            torch.set_num_threads(threads)          # the actor's CPU share; the other CPUs decode and write
         self.ae = build_autoencoder(ae.kind, ae.factor, ae.path, ae.scaling, ae.shift).to(self.device).eval()
         self.text = None
         if self.cfg.text.kind == "hf":
@@ -187,7 +180,7 @@ def _write_batch(batch: dict, store: str, tables: dict) -> dict:
     import pyarrow as pa
     from lance.fragment import write_fragments
 
-    out: dict[str, list] = {"table": [], "fragments": [], "rows": [], "errors": [], "pid": []}
+    out: dict[str, list] = {"table": [], "fragments": [], "rows": [], "errors": [], "pid": [], "encoders": []}
     by_table: dict[str, list[int]] = defaultdict(list)
     errors: dict[str, list[str]] = defaultdict(list)
     for i in range(len(batch["sample_id"])):
@@ -228,6 +221,7 @@ def _write_batch(batch: dict, store: str, tables: dict) -> dict:
         out["rows"].append(len(rows))
         out["errors"].append(json.dumps(errors.get(name, [])))
         out["pid"].append(os.getpid())
+        out["encoders"].append(json.dumps(Counter(str(batch["pid"][i]) for i in rows)))    # rows per encoder actor
     return out
 
 
@@ -251,144 +245,127 @@ def _commit(store: str, name: str, frag_json: list[str], schema, replace: bool =
     return lance.LanceDataset.commit(uri, lance.LanceOperation.Append(frags), read_version=ds.version).version
 
 
-def _existing_ids(store: str, name: str) -> set[int]:
-    import lance
-    try:
-        ds = lance.dataset(st.table_uri(store, name))
-    except Exception:  # noqa: BLE001
-        return set()
-    return set(ds.to_table(columns=["sample_id"])["sample_id"].to_pylist())
-
-
-def list_samples(cfg) -> list:
-    from difftrain.data.ingest import iter_source
-    if not cfg.data.sources:
-        raise UserError("data.sources is empty: add [[data.sources]] tables {name, kind, path} to the config")
-    names = [s.get("name") for s in cfg.data.sources]
-    if len(set(names)) != len(names):
-        raise UserError(f"data.sources: names must be unique, got {names}")
-    samples = []
-    for spec in cfg.data.sources:
-        samples.extend(iter_source(spec))
-    return samples
-
-
 def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overwrite: bool = False,
             progress: bool = True, commit_every: int = 256, batch_size: int = 32, limit: int = 0) -> dict:
     """Curate and encode ``cfg.data.sources`` into the store ``cfg.data.store``; returns a summary.
-    ``limit`` (tests): stop after committing about that many rows, as a killed run would."""
-    from difftrain.config.load import to_dict
-    from difftrain.data.curate import apply_filters, reason_counts, write_record
-
+    ``limit`` (tests): stop after committing about that many rows, as a killed run would (the new curation
+    record is not swapped in)."""
     t0 = time.perf_counter()
     store = cfg.data.store
     if not store and not dry_run:
         raise UserError("data.store is empty: set it to the store's path or URI")
+    store = local_path(store) if store else store
     stages = parse_stages(cfg, strict=True)
-    samples = list_samples(cfg)
+    specs = check_sources(cfg)
     ray = start_ray(ray_address)
-    import ray.data
+    actors = None
+    if not dry_run:       # refuse an impossible actor request before any work
+        res = ray.cluster_resources()
+        actors = encoder_plan(cfg.data, res.get("CPU", 0), res.get("GPU", 0))
+    try:
+        curated, stats = curated_dataset(cfg, specs)
+        if dry_run:
+            summary = _curation_summary(reason_tally(curated)[0], stats)
+            summary["seconds"] = round(time.perf_counter() - t0, 2)
+            return summary
+        record = StagedRecord(store)
+        record.recover()
+        try:
+            curated = curated.materialize()          # the rows in the object store: record, counts and tables read them
+            record.write(curated, {"config": json.dumps(to_dict(cfg))})
+            counts, words = reason_tally(curated, words=True)
+            summary = _curation_summary(counts, stats)
+            n, bad = summary["inputs"], summary["decode_errors"]
+            if n and bad / n > cfg.data.max_error_rate:
+                failed = record.publish(FAILED_RECORD)
+                raise UserError(f"{bad} of {n} inputs could not be read or decoded ({bad / n:.1%} > "
+                                f"data.max_error_rate = {cfg.data.max_error_rate}); see {failed} for each one. Nothing "
+                                f"was written to the store (its {RECORD_NAME} is still the last successful prepare's).")
+            finished = _encode(cfg, store, stages, curated, words, summary, actors, overwrite=overwrite,
+                               progress=progress, commit_every=commit_every, batch_size=batch_size, limit=limit)
+            if finished:
+                record.publish()
+        finally:
+            record.discard()
+    except Exception as e:
+        err = user_error_in(e)          # a UserError raised in a Ray task: its message, not the task's traceback
+        if err is not None and str(err) != str(e):
+            raise err from None
+        raise
+    summary.update(seconds=round(time.perf_counter() - t0, 2), store=store)
+    return summary
 
-    # ---- facts, in Ray tasks
-    items = [{"idx": i, "source": s.source, "key": s.key, "task": s.task, "refs": list(s.refs),
-              "caption": s.caption, "caption_error": s.caption_error, "scores": json.dumps(s.scores)}
-             for i, s in enumerate(samples)]
-    from difftrain.data.curate import Facts
-    facts: list[Any] = [None] * len(samples)
-    pids: set[int] = set()
-    if items:
-        ds = ray.data.from_items(items).map_batches(_facts_batch, batch_size=batch_size, batch_format="numpy")
-        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            for j, i in enumerate(batch["idx"]):
-                facts[int(i)] = Facts(int(batch["width"][j]), int(batch["height"][j]), str(batch["sha256"][j]),
-                                      int(batch["phash"][j]), str(batch["error"][j]))
-            pids.update(int(p) for p in batch["pid"])
-    outcomes = apply_filters(samples, facts, cfg.data.filters)
+
+def _curation_summary(counts: dict[str, int], stats: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {"inputs": sum(counts.values()), "kept": counts.get("kept", 0), "reasons": counts,
+                           "decode_errors": counts.get("decode", 0)}
+    out.update(stats)
+    return out
+
+
+def _encode(cfg, store: str, stages, curated, words: set[str], summary: dict, actors: dict, *, overwrite: bool,
+            progress: bool, commit_every: int, batch_size: int, limit: int) -> bool:
+    """Plan the table rows of the curated rows, check the tables' cache keys, then encode what the tables lack
+    and commit it (``words``: the kept captions' words, for the store's vocabulary).
+    Returns whether every row was done (False when ``limit`` stopped it)."""
+    from ray.data import ActorPoolStrategy, TaskPoolStrategy
+
     K = cfg.data.frames   # a keyframe table has a fixed frame count
-    for i, s in enumerate(samples):
-        if outcomes[i][0] and s.task == "keyframes" and len(s.refs) != K:
-            outcomes[i] = (False, f"frames: expected {K} (data.frames), got {len(s.refs)}")
-    counts = reason_counts(outcomes)
-    kept = [i for i, (ok, _) in enumerate(outcomes) if ok]
-    decode_errors = sum(1 for ok, r in outcomes if not ok and r.startswith("decode"))
-    summary: dict[str, Any] = {"inputs": len(samples), "kept": len(kept), "reasons": counts,
-                               "decode_errors": decode_errors, "facts_pids": sorted(pids)}
-    if dry_run:
-        summary["seconds"] = round(time.perf_counter() - t0, 2)
-        return summary
-    write_record(f"{store.rstrip('/')}/curation.parquet", samples, facts, outcomes,
-                 {"config": json.dumps(to_dict(cfg))})
-    if samples and decode_errors / len(samples) > cfg.data.max_error_rate:
-        raise UserError(f"{decode_errors} of {len(samples)} inputs could not be read or decoded "
-                        f"({decode_errors / len(samples):.1%} > data.max_error_rate = {cfg.data.max_error_rate}); "
-                        f"see {store}/curation.parquet for each one. Nothing was written to the store.")
-
-    # ---- tables and cache keys
     manifest = st.read_manifest(store) or {"format": st.FORMAT, "tables": {}, "vocabulary": []}
     patch = stages[0].buckets[0].patch
     C = autoencoder_geometry(cfg.autoencoder)[0]
-    tables: dict[str, dict] = {}
-    refused = []
-    todo: list[dict] = []
+    infos: dict[str, st.TableInfo] = {}
     for stage in stages:
-        allowed = set(stage.mixture) if stage.mixture else None
-        per_table: dict[str, list[int]] = defaultdict(list)
-        for i in kept:
-            s = samples[i]
-            if allowed is not None and s.source not in allowed:
-                continue
-            b = assign_bucket(stage.buckets, facts[i].width, facts[i].height)
-            per_table[st.table_name(stage.name, b.name, s.task)].append(i)
-        for name, rows in sorted(per_table.items()):
-            _, bname, task = name.split("/")
-            bucket = stage.bucket(bname)
-            F = st.task_frames(task, K)
-            info = st.TableInfo(name, stage.name, bname, task, F, [F, C, bucket.h // patch * 2, bucket.w // patch * 2],
-                                st.cache_key(cfg, stage, bucket, task), cfg.text.kind == "hf")
-            old = manifest["tables"].get(name)
-            if old is not None and not overwrite:
-                diff = st.key_diff(old["key"], info.key)
-                if diff:
-                    refused.append(f"table {name}: " + "; ".join(diff))
-                    continue
-            done = set() if overwrite else _existing_ids(store, name)
-            tables[name] = info.to_json()
-            for i in rows:
-                s = samples[i]
-                if s.sample_id in done:
-                    continue
-                todo.append({"sample_id": s.sample_id, "table": name, "source": s.source, "key": s.key,
-                             "caption": s.caption or "", "scores": json.dumps(s.scores),
-                             # the store keeps an edit's target first, its reference second (RoPE index 0, 1)
-                             "refs": list(s.refs[::-1]) if task == "edit" else list(s.refs),
-                             "h": bucket.h, "w": bucket.w, "crop": stage.crop, "latent_dtype": cfg.data.latent_dtype})
+        for bucket in stage.buckets:
+            for task in TASKS:
+                F = st.task_frames(task, K)
+                name = st.table_name(stage.name, bucket.name, task)
+                infos[name] = st.TableInfo(name, stage.name, bucket.name, task, F,
+                                           [F, C, bucket.h // patch * 2, bucket.w // patch * 2],
+                                           st.cache_key(cfg, stage, bucket, task), cfg.text.kind == "hf")
+    versions = {} if overwrite else table_versions(store, sorted(infos))
+    planned = (curated.select_columns(PLAN_COLUMNS)
+               .map_batches(table_rows, fn_kwargs={"stages": stages, "frames": K, "store": store, "versions": versions,
+                                                    "latent_dtype": cfg.data.latent_dtype}, batch_format="pyarrow")
+               .materialize())
+    per_table = table_tally(planned)
+    refused = []
+    for name in sorted(per_table):
+        old = manifest["tables"].get(name)
+        if old is not None and not overwrite and (diff := st.key_diff(old["key"], infos[name].key)):
+            refused.append(f"table {name}: " + "; ".join(diff))
     if refused:
         raise UserError(f"data.store = {store!r} holds tables built with other settings; nothing was changed. "
                         "Use another store, or --overwrite to write new versions (Lance keeps the old ones):\n  "
                         + "\n  ".join(refused))
+    tables = {name: infos[name].to_json() for name in per_table}
     fresh = set(tables) if overwrite else set()     # their first commit is a Lance Overwrite (a new version)
-    vocab = set(manifest.get("vocabulary", []))
-    from difftrain.models.text import words_of
-    for i in kept:
-        vocab.update(words_of(samples[i].caption or ""))
-    manifest["vocabulary"] = sorted(vocab)
+    manifest["vocabulary"] = sorted(set(manifest.get("vocabulary", [])) | words)
     if cfg.text.kind == "hf":
         _write_empty_text(cfg, store)
 
     # ---- encode + write, streamed
-    written, errors, enc_pids, write_pids = 0, [], set(), set()
+    n_todo = sum(todo for _, todo in per_table.values())
+    written, n_errors, first_errors = 0, 0, []
+    write_pids: set[int] = set()
+    enc_rows: Counter = Counter()
     t_enc = time.perf_counter()
-    if todo:
-        use_gpu = _cluster_gpus(ray) > 0
-        ds = (ray.data.from_items(todo)
-              .map_batches(_decode_batch, batch_size=batch_size, batch_format="numpy")
-              .map_batches(_Encode, fn_constructor_args=(to_dict(cfg),), batch_size=batch_size,
-                           batch_format="numpy", concurrency=1, num_gpus=1 if use_gpu else 0)
+    finished = True
+    if n_todo:
+        use_gpu = actors["encoder_device"] == "gpu"
+        ds = (planned.map_batches(missing_rows, batch_format="pyarrow")
+              .repartition(target_num_rows_per_block=batch_size)      # a batch a block: decode tasks share them
+              .map_batches(_decode_batch, batch_size=batch_size, batch_format="numpy",
+                           compute=TaskPoolStrategy(size=actors["decode_tasks"]),
+                           memory=_decode_memory(stages, max(t["frames"] for t in tables.values()), batch_size))
+              .map_batches(_Encode, fn_constructor_args=(to_dict(cfg),), batch_size=batch_size, batch_format="numpy",
+                           compute=ActorPoolStrategy(size=actors["encoder_actors"]), num_cpus=1,
+                           num_gpus=1 if use_gpu else 0)
               .map_batches(_write_batch, fn_kwargs={"store": store, "tables": tables}, batch_size=batch_size,
                            batch_format="numpy"))
         pending: dict[str, list[str]] = defaultdict(list)
         pending_rows: dict[str, int] = defaultdict(int)
-        bar = _progress(progress, len(todo))
+        bar = _progress(progress, n_todo)
 
         def flush(name: str) -> None:
             if pending[name]:
@@ -410,17 +387,20 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
                     pending_rows[name] += n
                     written += n
                     errs = json.loads(batch["errors"][j])
-                    errors.extend(errs)
+                    n_errors += len(errs)
+                    first_errors.extend(errs[:max(0, 20 - len(first_errors))])
                     write_pids.add(int(batch["pid"][j]))
+                    enc_rows.update(json.loads(batch["encoders"][j]))
                     if bar:
                         bar[0].update(bar[1], advance=n + len(errs))
                     if pending_rows[name] >= commit_every:
                         flush(name)
-                if errors and len(errors) / len(todo) > cfg.data.max_error_rate:
-                    raise UserError(f"{len(errors)} samples failed to decode or encode (> data.max_error_rate = "
-                                    f"{cfg.data.max_error_rate} of {len(todo)}); first: {errors[0]}. Committed "
+                if n_errors and n_errors / n_todo > cfg.data.max_error_rate:
+                    raise UserError(f"{n_errors} samples failed to decode or encode (> data.max_error_rate = "
+                                    f"{cfg.data.max_error_rate} of {n_todo}); first: {first_errors[0]}. Committed "
                                     "versions are intact; fix the inputs and re-run (only the missing rows are done).")
                 if limit and written >= limit:
+                    finished = False
                     break
             else:
                 for name in list(pending):
@@ -429,20 +409,24 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
             if bar:
                 bar[0].stop()
     st.write_manifest(store, manifest)
-    for e in errors[:20]:
+    for e in first_errors:
         log.warning("prepare: skipped %s", e)
-    summary.update(encoded=written, encode_errors=len(errors), tables=len(tables),
-                   encode_seconds=round(time.perf_counter() - t_enc, 2), seconds=round(time.perf_counter() - t0, 2),
+    summary.update(actors, encoded=written, encode_errors=n_errors, tables=len(tables),
+                   encoder_rows=encoder_counts(enc_rows, actors["encoder_actors"]) if n_todo else [],
+                   encode_seconds=round(time.perf_counter() - t_enc, 2),
                    images_per_s=round(written / max(1e-9, time.perf_counter() - t_enc), 1),
-                   write_pids=sorted(write_pids), store=store)
-    return summary
+                   write_pids=sorted(write_pids))
+    return finished
 
 
-def _cluster_gpus(ray) -> int:
-    try:
-        return int(ray.cluster_resources().get("GPU", 0))
-    except Exception:  # noqa: BLE001
-        return 0
+def _decode_memory(stages, frames: int, batch_size: int) -> int:
+    """Bytes a decode task holds: a batch of the largest bucket's ``frames`` frames, resized and cropped (x4 for
+    the resize's intermediates), plus the worker process itself (384 MiB: the store module imports torch).
+
+    Asking for it also keeps Ray Data from fusing the decode tasks into the encoder actors (it fuses a task
+    stage into a following actor stage that asks for the same resources), so decoding runs on its own CPUs."""
+    area = max(b.h * b.w for s in stages for b in s.buckets)
+    return batch_size * frames * area * 3 * 4 + (384 << 20)
 
 
 def _write_empty_text(cfg, store: str) -> None:
@@ -471,4 +455,4 @@ def _progress(enabled: bool, total: int):
     return p, p.add_task("encode", total=total)
 
 
-__all__ = ["prepare", "start_ray", "resize_cover_crop", "list_samples"]
+__all__ = ["prepare", "start_ray", "resize_cover_crop"]
