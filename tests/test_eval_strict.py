@@ -222,7 +222,7 @@ class _Oracle:
 
 
 def _fake_make_batch(pipe_calls):
-    def make(world, autoencoder, tokenize, task, indices, targets=None):
+    def make(world, autoencoder, tokenize, task, indices, targets=None, canvas=None):
         pipe_calls.append((world.split, task, tuple(indices), None if targets is None else targets[0]))
         frames, prompts, meta = [], [], []
         for i in indices:

@@ -8,7 +8,11 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
                      "train.async_checkpoint", "train.metrics_port", "train.threads", "train.compile",
                      "train.compile_cache", "train.micro_batch", "data.read_threads", "data.prefetch",
                      "data.cache_dir", "data.cache_gb", "data.cache_lookahead", "data.max_error_rate", "sample.",
-                     "eval.", "health.")
+                     "eval.", "health.", "data.encoder_actors", "data.encoder_device")
+
+# Keys added after a checkpoint was written, with the value that computes what that checkpoint's release did:
+# a saved config without the key and a run with that value are the same run.
+EARLIER_BEHAVIOUR = {"model.positions": "corner"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -28,6 +32,8 @@ def config_changes(saved: dict, now: dict, allowed: tuple[str, ...] = ()) -> lis
     out = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key) or key.startswith(ALWAYS_CHANGEABLE):
+            continue
+        if key not in a and key in EARLIER_BEHAVIOUR and b.get(key) == EARLIER_BEHAVIOUR[key]:
             continue
         if any(key == x or key.startswith(x.rstrip(".") + ".") for x in allowed):
             continue
