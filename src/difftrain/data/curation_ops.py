@@ -223,7 +223,7 @@ def _tally_block(t, words: bool):
     import pyarrow as pa
 
     from difftrain.data.curate import reason_class
-    from difftrain.models.text import words_of
+    from difftrain.words import words_of
 
     reasons = t["reason"].to_pylist()
     c = Counter("kept" if not r else reason_class(r) for r in reasons)

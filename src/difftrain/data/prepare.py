@@ -421,12 +421,12 @@ def _encode(cfg, store: str, stages, curated, words: set[str], summary: dict, ac
 
 def _decode_memory(stages, frames: int, batch_size: int) -> int:
     """Bytes a decode task holds: a batch of the largest bucket's ``frames`` frames, resized and cropped (x4 for
-    the resize's intermediates), plus the worker process itself (384 MiB: the store module imports torch).
+    the resize's intermediates), plus the worker process itself (256 MiB: Python, Arrow, Lance, PIL).
 
     Asking for it also keeps Ray Data from fusing the decode tasks into the encoder actors (it fuses a task
     stage into a following actor stage that asks for the same resources), so decoding runs on its own CPUs."""
     area = max(b.h * b.w for s in stages for b in s.buckets)
-    return batch_size * frames * area * 3 * 4 + (384 << 20)
+    return batch_size * frames * area * 3 * 4 + (256 << 20)
 
 
 def _write_empty_text(cfg, store: str) -> None:
