@@ -353,8 +353,11 @@ def _encode(cfg, store: str, stages, curated, words: set[str], summary: dict, ac
     finished = True
     if n_todo:
         use_gpu = actors["encoder_device"] == "gpu"
+        # Up to 4 batches a task (each task costs the driver some memory), fewer when a few tasks a worker need it.
+        workers = actors["encoder_actors"] + actors["decode_tasks"]
+        block = min(4 * batch_size, max(batch_size, n_todo // (4 * workers)))
         ds = (planned.map_batches(missing_rows, batch_format="pyarrow")
-              .repartition(target_num_rows_per_block=batch_size)      # a batch a block: decode tasks share them
+              .repartition(target_num_rows_per_block=block)
               .map_batches(_decode_batch, batch_size=batch_size, batch_format="numpy",
                            compute=TaskPoolStrategy(size=actors["decode_tasks"]),
                            memory=_decode_memory(stages, max(t["frames"] for t in tables.values()), batch_size))
