@@ -14,12 +14,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "difftrain"
 ALLOWED = {
     "errors": set(),
     "tokens": set(),
+    "words": set(),
     "images": {"errors"},
     "config": {"errors"},
-    "models": {"config", "errors", "tokens"},
-    "data": {"config", "errors", "models", "tokens"},
+    "models": {"config", "errors", "tokens", "words"},
+    "data": {"config", "errors", "models", "tokens", "words"},
     "diffusion": {"data", "models", "tokens"},
-    "shapes": {"config", "data", "errors", "models", "tokens"},
+    "shapes": {"config", "data", "errors", "models", "tokens", "words"},
     "sources": {"data", "errors", "shapes"},
     "parallel": {"config", "errors", "models", "tokens"},
 }

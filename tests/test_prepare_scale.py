@@ -151,12 +151,20 @@ def slow_vae(tmp_path_factory):
     return str(path)
 
 
-def test_two_encoder_actors_each_encode_their_share(ray_local, small_export, tmp_path, slow_vae):
+@pytest.fixture(scope="module")
+def two_actor_store(ray_local, small_export, slow_vae, tmp_path_factory):
+    """A store prepared from the text-to-image source with two encoder actors: its config, summary, record
+    rows and table versions as this first prepare left them."""
+    store = tmp_path_factory.mktemp("two-actors") / "store"
+    extra = ("data.encoder_actors=2", "autoencoder.kind=diffusers", f"autoencoder.path={slow_vae}")
+    summary = prepare(small_cfg(small_export, store, ("t2i",), *extra), progress=False, batch_size=4)
+    return store, extra, summary, record_rows(str(store / "curation.parquet")), versions_content(store)
+
+
+def test_two_encoder_actors_each_encode_their_share(ray_local, two_actor_store):
     """The actor pool hands each batch to the least busy actor, so where encoding limits the rate both actors
     encode their share (where decoding limits it, one actor keeps up and takes most batches)."""
-    cfg = small_cfg(small_export, tmp_path / "two", ("t2i",), "data.encoder_actors=2", "autoencoder.kind=diffusers",
-                    f"autoencoder.path={slow_vae}")
-    summary = prepare(cfg, progress=False, batch_size=4)
+    _, _, summary, _, _ = two_actor_store
     assert summary["encoder_actors"] == 2 and summary["decode_tasks"] == ray_local.cluster_resources()["CPU"] - 2
     rows = summary["encoder_rows"]
     assert len(rows) == 2 and sum(rows) == summary["encoded"] > 0
@@ -180,21 +188,18 @@ def version_rows(store: Path, name: str, version: int) -> dict[int, bytes]:
     return {int(i): b.read() for i, b in zip(ids, ds.take_blobs("latents", indices=list(range(len(ids)))))}
 
 
-def test_a_failed_prepare_leaves_the_previous_record_and_every_committed_version(ray_local, small_export, tmp_path):
+def test_a_failed_prepare_leaves_the_previous_record_and_every_committed_version(two_actor_store, small_export):
     """A second prepare that fails while writing (a table path the store cannot hold: a worker's Lance write
     fails) leaves the first prepare's record and table versions as they were, and no staged record behind."""
-    store = tmp_path / "atomic"
-    first = prepare(small_cfg(small_export, store, ("t2i",)), progress=False)
-    record_before = record_rows(str(store / "curation.parquet"))
-    before = versions_content(store)
+    store, extra, first, record_before, before = two_actor_store
     assert first["encoded"] > 0 and before
     for bucket in ("32x32", "32x48", "48x32"):                 # every keyframe table of stage "low"
         p = store / "tables" / "low" / bucket / "keyframes.lance"
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text("not a Lance table")
-    cfg = small_cfg(small_export, store)
     with pytest.raises(Exception, match="keyframes.lance"):
-        prepare(cfg, progress=False, commit_every=8, batch_size=8)
+        prepare(small_cfg(small_export, store, ("t2i", "edit", "keyframes"), *extra), progress=False,
+                commit_every=8, batch_size=8)
     assert record_rows(str(store / "curation.parquet")) == record_before
     for name, (version, rows) in before.items():
         assert version_rows(store, name, version) == rows, name

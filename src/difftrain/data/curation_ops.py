@@ -27,7 +27,7 @@ from typing import Any, Iterator
 from difftrain.data.curate import RECORD_SIDECAR
 from difftrain.errors import UserError
 
-LIST_BLOCK_ROWS = 512           # rows a facts task reads: small enough that a source spreads over the workers
+LIST_BLOCK_ROWS = 4096          # rows a facts task reads (a few seconds of work): a source spreads over the workers
 RECORD_ROWS_PER_FILE = 100_000
 RECORD_NAME = "curation.parquet"
 _ROW_FILTERS = ("size", "area", "aspect", "caption", "score")
@@ -187,7 +187,7 @@ def curated_dataset(cfg, specs: list[dict]) -> tuple[Any, dict]:
     import ray.data
 
     from difftrain.data.curate import check_filters
-    from difftrain.data.near_dup import WINDOW, near_dup_dataset
+    from difftrain.data.near_dup import WINDOW, near_dup_dataset, sorted_by
 
     filters = check_filters(cfg.data.filters)
     ds = (ray.data.read_datasource(_source_listing(specs), override_num_blocks=len(specs))
@@ -208,7 +208,7 @@ def curated_dataset(cfg, specs: list[dict]) -> tuple[Any, dict]:
             continue
         ds = flush(ds)
         if f["kind"] == "exact_dup":
-            ds = ds.sort("sha256").map_batches(_exact_dup_block, batch_size=None, batch_format="pyarrow")
+            ds = sorted_by(ds, "sha256").map_batches(_exact_dup_block, batch_size=None, batch_format="pyarrow")
         else:
             ds, stats["near_dup"] = near_dup_dataset(ds, f["distance"], f.get("window", WINDOW))
     ds = flush(ds)
@@ -223,7 +223,7 @@ def _tally_block(t, words: bool):
     import pyarrow as pa
 
     from difftrain.data.curate import reason_class
-    from difftrain.models.text import words_of
+    from difftrain.words import words_of
 
     reasons = t["reason"].to_pylist()
     c = Counter("kept" if not r else reason_class(r) for r in reasons)

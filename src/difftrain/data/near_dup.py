@@ -11,11 +11,12 @@ input order). It is applied to the pairs the candidate search finds:
    flat images) costs one sort here, not thousands of comparisons.
 2. Distinct hashes are cut into ``distance + 1`` bands; two hashes within ``distance`` bits agree exactly on
    at least one band (pigeonhole), so only hashes sharing a (band, value) bucket are compared. Within a
-   bucket sorted by hash, each hash is compared with the next ``window`` ones: a bucket of up to
-   ``window + 1`` hashes is compared all pairs (exact), a larger one is compared within the window. So a row
-   costs at most ``(distance + 1) * window`` comparisons however skewed the hashes; pairs that only a large
-   bucket holds, farther apart in its hash order than the window, are missed (recall is measured against the
-   all-pairs result in bench/prepare_scale.py and docs/data-path.md).
+   bucket sorted by hash (rotated so that the next band leads), each hash is compared with the next ``window``
+   ones: a bucket of up to ``window + 1`` hashes is compared all pairs (exact), a larger one within the
+   window, where hashes that also share the next band sit side by side. So a row costs at most
+   ``(distance + 1) * window`` comparisons however skewed the hashes; pairs that only a large bucket holds,
+   farther apart in its order than the window, are missed (recall against the all-pairs result is measured
+   in bench/prepare_scale.py, docs/data-path.md).
 3. The rule runs over the found pairs in id order (``greedy``).
 
 On Ray (``near_dup_dataset``): a sort on the phash groups identical hashes, the bucket rows of the distinct
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 WINDOW = 32                 # default comparisons per hash per band in a bucket
+SHUFFLE_ROWS = 65536        # rows per block going into a sort
 _U64 = (1 << 64) - 1
 
 
@@ -63,17 +65,28 @@ def hash_groups(ids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
     return rep
 
 
+def _rotl(h: np.ndarray, s: int) -> np.ndarray:
+    s %= 64
+    return h if s == 0 else (h << np.uint64(s)) | (h >> np.uint64(64 - s))
+
+
 def bucket_rows(ids: np.ndarray, hashes: np.ndarray, distance: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(bucket key, id, hash) once per band for each distinct hash: key = band << 32 | the band's bits."""
+    """(bucket key, id, hash) once per band for each distinct hash: key = band << 32 | the band's bits. The hash
+    comes rotated so that the next band's bits lead (a rotation keeps Hamming distances): a bucket sorted by it
+    puts hashes that also share the next band side by side, so a window finds them even in a crowded bucket."""
     ids = np.asarray(ids, dtype=np.int64)
     h = _u64(hashes)
     if distance == 0 or not len(ids):        # distinct hashes are never within 0 bits of each other
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    keys = [((h >> np.uint64(shift)) & np.uint64(mask)).astype(np.int64) | (b << 32)
-            for b, (shift, mask) in enumerate(bands(distance))]
+    bs = bands(distance)
+    keys, rotated = [], []
+    for b, (shift, mask) in enumerate(bs):
+        keys.append(((h >> np.uint64(shift)) & np.uint64(mask)).astype(np.int64) | (b << 32))
+        nxt_shift, nxt_mask = bs[(b + 1) % len(bs)]
+        rotated.append(_rotl(h, 64 - (nxt_shift + nxt_mask.bit_length())).view(np.int64))
     n = len(keys)
-    return np.concatenate(keys), np.tile(ids, n), np.tile(h.view(np.int64), n)
+    return np.concatenate(keys), np.tile(ids, n), np.concatenate(rotated)
 
 
 def window_pairs(keys: np.ndarray, ids: np.ndarray, hashes: np.ndarray, distance: int,
@@ -151,6 +164,14 @@ def near_dup_keepers(ids: Any, hashes: Any, distance: int, window: int = WINDOW)
 
 
 # --------------------------------------------------------------------------- the steps, as Ray Data operations
+
+def sorted_by(ds, key: str):
+    """``ds`` sorted on ``key`` (a block then holds whole groups of equal keys), from blocks of SHUFFLE_ROWS rows.
+
+    A sort's shuffle makes (input blocks) x (output blocks) objects, each tracked by the driver: from blocks of a
+    few thousand rows, 10^6 rows cost the driver hundreds of MB; coalesced first, a few MB."""
+    return ds.repartition(target_num_rows_per_block=SHUFFLE_ROWS, strict=True).sort(key)
+
 
 def _with_groups(t):
     """(A block sorted by phash.) The representative of each alive row's hash group (-1 for dropped rows)."""
@@ -243,10 +264,11 @@ def _reasons_block(t, refs: list):
 def near_dup_dataset(ds, distance: int, window: int = WINDOW) -> tuple[Any, dict]:
     """``ds`` (rows with sample_id, phash, reason) with the near-duplicate reasons of its alive rows, and the
     work it took: {"rows", "hashes", "comparisons", "comparisons_per_row", "window"}."""
-    grouped = ds.sort("phash").map_batches(_with_groups, batch_size=None, batch_format="pyarrow").materialize()
-    resolved = (grouped.map_batches(_bucket_block, fn_kwargs={"distance": distance}, batch_size=None,
-                                    batch_format="pyarrow")
-                .sort("bucket")
+    grouped = (sorted_by(ds, "phash").map_batches(_with_groups, batch_size=None, batch_format="pyarrow")
+               .materialize())
+    buckets = grouped.map_batches(_bucket_block, fn_kwargs={"distance": distance}, batch_size=None,
+                                  batch_format="pyarrow")
+    resolved = (sorted_by(buckets, "bucket")
                 .map_batches(_pairs_block, fn_kwargs={"distance": distance, "window": window}, batch_size=None,
                              batch_format="pyarrow")
                 .repartition(1)
@@ -261,5 +283,5 @@ def near_dup_dataset(ds, distance: int, window: int = WINDOW) -> tuple[Any, dict
     return out, stats
 
 
-__all__ = ["WINDOW", "bands", "hash_groups", "bucket_rows", "window_pairs", "greedy", "keepers_for",
+__all__ = ["WINDOW", "SHUFFLE_ROWS", "sorted_by", "bands", "hash_groups", "bucket_rows", "window_pairs", "greedy", "keepers_for",
            "near_dup_keepers", "near_dup_dataset"]

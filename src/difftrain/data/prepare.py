@@ -353,8 +353,11 @@ def _encode(cfg, store: str, stages, curated, words: set[str], summary: dict, ac
     finished = True
     if n_todo:
         use_gpu = actors["encoder_device"] == "gpu"
+        # Up to 4 batches a task (each task costs the driver some memory), fewer when a few tasks a worker need it.
+        workers = actors["encoder_actors"] + actors["decode_tasks"]
+        block = min(4 * batch_size, max(batch_size, n_todo // (4 * workers)))
         ds = (planned.map_batches(missing_rows, batch_format="pyarrow")
-              .repartition(target_num_rows_per_block=batch_size)      # a batch a block: decode tasks share them
+              .repartition(target_num_rows_per_block=block)
               .map_batches(_decode_batch, batch_size=batch_size, batch_format="numpy",
                            compute=TaskPoolStrategy(size=actors["decode_tasks"]),
                            memory=_decode_memory(stages, max(t["frames"] for t in tables.values()), batch_size))
@@ -421,12 +424,12 @@ def _encode(cfg, store: str, stages, curated, words: set[str], summary: dict, ac
 
 def _decode_memory(stages, frames: int, batch_size: int) -> int:
     """Bytes a decode task holds: a batch of the largest bucket's ``frames`` frames, resized and cropped (x4 for
-    the resize's intermediates), plus the worker process itself (384 MiB: the store module imports torch).
+    the resize's intermediates), plus the worker process itself (256 MiB: Python, Arrow, Lance, PIL).
 
     Asking for it also keeps Ray Data from fusing the decode tasks into the encoder actors (it fuses a task
     stage into a following actor stage that asks for the same resources), so decoding runs on its own CPUs."""
     area = max(b.h * b.w for s in stages for b in s.buckets)
-    return batch_size * frames * area * 3 * 4 + (384 << 20)
+    return batch_size * frames * area * 3 * 4 + (256 << 20)
 
 
 def _write_empty_text(cfg, store: str) -> None:

@@ -3,7 +3,7 @@
 Layout under the store URI (a local path or any URI Lance and fsspec both read: s3://, gs://, ...):
 
     store.json                                 the manifest: format, tables, their cache keys, vocabulary
-    curation.parquet                           every input row of the last prepare, with its outcome and reason
+    curation.parquet/                          every input row of the last successful prepare, its outcome and reason
     tables/<stage>/<h>x<w>/<task>.lance        Lance datasets
 
 A task fixes the frames per example (t2i 1, edit 2: target then reference, keyframes K), so every latent
@@ -29,13 +29,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from difftrain.errors import UserError
+
+if TYPE_CHECKING:      # torch is imported where tensors are converted: prepare's Ray tasks read this module without it
+    import torch
 
 os.environ.setdefault("LANCE_LOG", "error")     # Lance's Rust logger warns on every new dataset otherwise
 
@@ -147,6 +149,7 @@ def write_manifest(store: str, manifest: dict) -> None:
 
 def to_bits(x: torch.Tensor, dtype: str) -> np.ndarray:
     """Latents as raw integer patterns: bf16 -> uint16, fp32 -> uint32 (flattened)."""
+    import torch
     if dtype == "bf16":
         return x.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
     return x.detach().float().contiguous().numpy().view(np.uint32).reshape(-1)
@@ -155,6 +158,7 @@ def to_bits(x: torch.Tensor, dtype: str) -> np.ndarray:
 def from_bits(a: np.ndarray, dtype: str, keep: bool = False) -> torch.Tensor:
     """Inverse of ``to_bits``: float32, or with ``keep`` the stored dtype itself (bf16 without a conversion:
     half the bytes to pack and to copy to the GPU, where the trainer widens it)."""
+    import torch
     if dtype == "bf16":
         x = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
         return x if keep else x.float()
@@ -271,6 +275,7 @@ def write_table(store: str, info: TableInfo, rows: dict, dtype: str = "bf16", mo
     without the prepare pipeline (benchmarks, tests, importing latents encoded elsewhere); records the
     table in the manifest. Returns the table's new version."""
     import lance
+    import torch
 
     n_val = int(np.prod(info.latent_shape))
     lat = np.concatenate([to_bits(pack(torch.as_tensor(np.asarray(x, dtype=np.float32))), dtype)
@@ -293,7 +298,7 @@ def write_table(store: str, info: TableInfo, rows: dict, dtype: str = "bf16", mo
     manifest = read_manifest(store) or {"format": FORMAT, "tables": {}, "vocabulary": []}
     manifest["tables"][info.name] = info.to_json()
     vocab = set(manifest.get("vocabulary", []))
-    from difftrain.models.text import words_of
+    from difftrain.words import words_of
     for c in rows.get("caption", []):
         vocab.update(words_of(c))
     manifest["vocabulary"] = sorted(vocab)

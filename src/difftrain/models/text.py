@@ -23,12 +23,13 @@ embedding) under ``masked``, never zero positions.
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from difftrain.words import words_of
 
 PAD, UNK = "<pad>", "<unk>"
 
@@ -73,10 +74,6 @@ class PromptTooLong(UserWarning):
 def warn_truncated(prompt: str, n_tokens: int, limit: int) -> None:
     warnings.warn(f"prompt {prompt[:60]!r}{'...' if len(prompt) > 60 else ''} has {n_tokens} tokens; "
                   f"truncated to the encoder's limit of {limit}", PromptTooLong, stacklevel=3)
-
-
-def words_of(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
 
 
 def _pad_right(v: Tensor, length: int) -> Tensor:
