@@ -114,10 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
 
     p = sub.add_parser("prepare", help="curate raw image-caption data and encode it into the latent store",
-                       description="List data.sources, read facts and apply data.filters (every input row lands in "
-                                   "STORE/curation.parquet with its outcome and reason), then encode the kept samples "
-                                   "into Lance tables per (stage, bucket, task) on Ray Data. Resumable: a re-run only "
-                                   "encodes what is missing.")
+                       description="List data.sources, read facts and apply data.filters as Ray Data operations "
+                                   "(every input row lands in STORE/curation.parquet with its outcome and reason, "
+                                   "swapped in when the prepare succeeds), then encode the kept samples on "
+                                   "data.encoder_actors actors into Lance tables per (stage, bucket, task). "
+                                   "Resumable: a re-run only encodes what is missing.")
     p.add_argument("config", help="config path or preset name")
     p.add_argument("--dry-run", action="store_true", help="print the counts per outcome and reason; encode nothing")
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start Ray locally)")
