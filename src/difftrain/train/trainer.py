@@ -409,8 +409,7 @@ class Trainer:
         batch, total_s = fetched.batches[0], fetched.data_s + fetched.step_s
         values = {"time": round(time.time(), 3), **self.objective.metrics(stats.loss, batch.task),
                   "grad_norm": round(stats.grad_norm, 4), "lr": stats.lr, "task": batch.task,
-                  "seq": [batch.x0_BLC.shape[1], batch.text.txt_BTD.shape[1] if batch.text is not None
-                          else max((v.shape[1] for v in batch.tokens.values()), default=0)],
+                  "seq": _seq(batch), "shapes": sorted({(b.task, *_seq(b)) for b in fetched.batches}),
                   "data_s": round(fetched.data_s, 4), "step_s": round(fetched.step_s, 4),
                   "fwd_bwd_s": round(stats.fwd_bwd_s, 4), "optim_s": round(stats.optim_s, 4),
                   "samples_per_s": round(stats.samples / total_s, 2), "tokens_per_s": round(stats.tokens / total_s, 1),
@@ -496,3 +495,10 @@ class Trainer:
         with self.ema.applied(self.model) if self.ema else contextlib.nullcontext(), cp_disabled(self.model):
             self.model.eval()
             return preview_grid(self.pipeline(), self.cfg, path, n, self.env.is_main, self.preview_prompts)
+
+
+def _seq(batch: Batch) -> list[int]:
+    """(image tokens, text tokens) of a micro-batch: the shape a compiled block sees."""
+    text = (batch.text.txt_BTD.shape[1] if batch.text is not None
+            else max((v.shape[1] for v in batch.tokens.values()), default=0))
+    return [batch.x0_BLC.shape[1], text]
