@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -164,9 +165,10 @@ def sbatch_directives(text: str) -> dict[str, str]:
 
 
 def run_sbatch(script: Path, tmp_path: Path, env: dict[str, str] | None = None,
-               args: tuple[str, ...] = (), unset: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+               args: tuple[str, ...] = (), unset: tuple[str, ...] = (), status: int = 0) -> tuple[list[str], dict[str, str]]:
     """Run the batch script as SLURM would on the head node, with ``srun`` and ``scontrol``
-    stubbed; return the srun command line and the environment srun was called with."""
+    stubbed; return the srun command line and the environment srun was called with. ``status``: the
+    script's expected exit status."""
     d = sbatch_directives(script.read_text())
     nodes = int(d["nodes"])
     slurm = {
@@ -188,6 +190,7 @@ scontrol() {{
 srun() {{
     printf '%s\\0' srun "$@" > {shlex.quote(str(capture))}; env -0 > {shlex.quote(str(capture_env))}
     if [[ -n ${{STUB_PREEMPTED_MARKER:-}} ]]; then echo '{{"step": 7}}' > "$STUB_PREEMPTED_MARKER"; fi
+    return "${{STUB_SRUN_STATUS:-0}}"
 }}
 source "$0" "$@"
 """
@@ -195,7 +198,9 @@ source "$0" "$@"
     proc = subprocess.run(["bash", "-c", "set -u\n" + stubs, str(script), *args],
                           env={**base, **slurm, **(env or {})}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, f"{script.name} failed under bash:\n{proc.stderr}"
+    if status == 0:
+        assert proc.returncode == 0, f"{script.name} failed under bash:\n{proc.stderr}"
+    assert proc.returncode == status, (proc.returncode, proc.stderr)
     assert capture.exists(), f"{script.name} never called srun"
     seen = dict(kv.split("=", 1) for kv in capture_env.read_text().split("\0")[:-1])
     return capture.read_text().split("\0")[:-1], seen
@@ -231,7 +236,8 @@ def test_sbatch_launch_defaults(tmp_path):
     assert got.train.config == "dit-24b" and got.config.name == "dit-24b.toml"
     assert got.train.run_dir == str(tmp_path / "runs" / f"{env['SLURM_JOB_NAME']}-4242")
     assert got.train.no_progress
-    assert got.overrides == {"parallel.dp_replicate": nodes}      # the split within a node is the preset's
+    # the split within a node is the preset's; the signal's lead is what the run checks its preemption need against
+    assert got.overrides == {"parallel.dp_replicate": nodes, "health.preempt_lead_s": 120}
     assert node_group(got) == gpus
     assert Path(got.train.run_dir).is_dir()
     # What the workers inherit: their share of the cores, and the NCCL flight recorder dumping
@@ -265,6 +271,34 @@ def test_sbatch_requeues_only_after_a_preemption(tmp_path):
     # the trainer stopped for SIGUSR1/SIGTERM and left its marker while srun ran: the job requeues itself
     run_sbatch(SBATCH, tmp_path, env={"RUN_DIR": str(run_dir), "STUB_PREEMPTED_MARKER": str(run_dir / "requeue.json")})
     assert (tmp_path / "requeued").read_text().strip() == "4242"
+
+
+def test_sbatch_requeues_a_preemption_whatever_srun_returns_and_passes_failures_on(tmp_path):
+    """A signalled torchrun agent exits non-zero after its workers checkpointed: the marker decides, not the
+    status. Without a marker a failure is the job's failure (not requeued)."""
+    run_dir = tmp_path / "run"
+    marker = {"STUB_PREEMPTED_MARKER": str(run_dir / "requeue.json")}
+    run_sbatch(SBATCH, tmp_path, env={"RUN_DIR": str(run_dir), "STUB_SRUN_STATUS": "1", **marker})
+    assert (tmp_path / "requeued").read_text().strip() == "4242"
+    (tmp_path / "requeued").unlink()
+    (run_dir / "requeue.json").unlink()
+    run_sbatch(SBATCH, tmp_path, env={"RUN_DIR": str(run_dir), "STUB_SRUN_STATUS": "3"}, status=3)
+    assert not (tmp_path / "requeued").exists()
+
+
+@pytest.mark.parametrize("measured, lead, expected", [(None, None, 120), (40, None, 40), (500, None, 120),
+                                                      (40, "30", 30), (None, "600", 600)])
+def test_sbatch_shutdown_timeout_is_the_measured_need_within_the_signal_lead(tmp_path, measured, lead, expected):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if measured is not None:
+        (run_dir / "preemption.json").write_text(json.dumps({"step": 8, "lead_needed_s": measured - 0.4,
+                                                             "shutdown_timeout_s": measured}))
+    env = {"RUN_DIR": str(run_dir), **({"SIGNAL_LEAD_S": lead} if lead else {})}
+    argv, _ = run_sbatch(SBATCH, tmp_path, env=env)
+    assert argv[argv.index("--shutdown-timeout") + 1] == str(expected)
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert f"health.preempt_lead_s={lead or 120}" in sets
 
 
 def test_sbatch_typo_is_caught(tmp_path):

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,82 @@ def test_config_change_refused_unless_allowed_and_no_resume(tmp_path, capsys):
     assert _train(sets, tmp_path / "a", "--no-resume") == 2
     assert "--no-resume" in capsys.readouterr().err
     assert _train(sets, tmp_path / "fresh", "--no-resume") == 0
+
+
+SBATCH = Path(__file__).resolve().parents[1] / "deploy" / "slurm" / "train.sbatch"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sbatch_requeues_after_sigterm_to_the_torchrun_agent(reference, tmp_path):
+    """The scheduler's way: deploy/slurm/train.sbatch runs with ``srun`` and ``scontrol`` shims (srun execs the
+    real torchrun; ``scontrol requeue`` runs the script again, as a requeued job would), SIGTERM goes to the
+    torchrun agent, not to a worker. The agent passes it on and exits non-zero; the script requeues anyway, and
+    the requeued run ends with the uninterrupted run's final state over the same sample stream."""
+    shims, run = tmp_path / "shims", tmp_path / "run"
+    shims.mkdir()
+    (shims / "srun").write_text(f"""#!/bin/bash
+while [[ $1 == --* ]]; do shift; done            # srun's own options
+echo $$ >> {shims}/agent.pids                    # exec keeps the pid: this is the torchrun agent's
+printf '%s\\0' "$@" > {shims}/srun.argv.$(wc -l < {shims}/agent.pids)
+exec "$@"
+""")
+    (shims / "scontrol").write_text(f"""#!/bin/bash
+if [[ $1 == show && $2 == hostnames ]]; then echo 127.0.0.1; exit 0; fi
+if [[ $1 == requeue && $2 == "$SLURM_JOB_ID" ]]; then
+    echo requeue >> {shims}/requeues
+    (( $(wc -l < {shims}/requeues) <= 2 )) || {{ echo "requeued too often" >&2; exit 1; }}
+    exec bash {SBATCH}                           # the job again: same id, same environment
+fi
+echo "scontrol shim: unexpected arguments: $*" >&2; exit 1
+""")
+    for shim in ("srun", "scontrol"):
+        (shims / shim).chmod(0o755)
+    env = {"PATH": f"{shims}:{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C",
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "difftrain", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "node001", "SLURM_GPUS_ON_NODE": "2", "SLURM_CPUS_PER_TASK": "2",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "CONFIG": str(reference["cfg"]), "RUN_DIR": str(run),
+           "RDZV_PORT": str(_free_port()), "MAX_RESTARTS": "0", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+           "DIFFTRAIN_SAMPLE_LOG": str(tmp_path / "samples"),
+           # every step sleeps 0.3 s on every rank (no effect on what is computed), so the signal lands mid-run
+           "DIFFTRAIN_FAULTS": "slow@1:*", "DIFFTRAIN_SLOW_S": "0.3"}
+    log = (tmp_path / "job.out").open("w")
+    job = subprocess.Popen(["bash", str(SBATCH)], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        first = tmp_path / "samples.rank0"
+        deadline = time.monotonic() + 240
+        while not (first.exists() and len(first.read_text().splitlines()) >= 2):
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.out").read_text()[-3000:]
+            time.sleep(0.05)
+        agent = int((shims / "agent.pids").read_text().split()[0])
+        os.kill(agent, signal.SIGTERM)
+        rc = job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        log.close()
+    out = (tmp_path / "job.out").read_text()
+    assert rc == 0, out[-4000:]
+    assert (shims / "requeues").read_text().split() == ["requeue"], out[-3000:]
+    stopped = [e["step"] for e in read_events(run) if e["kind"] == "preempt"]
+    assert len(stopped) == 1 and 2 <= stopped[0] < 12, stopped
+    # the agent itself exited non-zero after its workers stopped: what the script no longer trusts
+    agent_status = int(out.split("difftrain: preempted (srun exit ")[1].split(")")[0])
+    assert agent_status != 0
+    # the first start measured what a preemption needs; the requeued start gave the agent that long
+    lead = json.loads((run / "preemption.json").read_text())
+    assert lead["lead_needed_s"] >= lead["step_s"] + lead["save_s"] and lead["configured_lead_s"] == 120
+    timeouts = []
+    for start in (1, 2):
+        argv = (shims / f"srun.argv.{start}").read_text().split("\0")
+        timeouts.append(int(argv[argv.index("--shutdown-timeout") + 1]))
+    assert timeouts[0] == 120 and 15 <= timeouts[1] < 120, timeouts    # the signal's lead, then the measured need
+    assert not (run / "requeue.json").exists()
+    assert _final_files(run) == reference["files"]
+    assert _stream(tmp_path / "samples") == reference["stream"]

@@ -273,6 +273,10 @@ class HealthConfig:
                                   "RUN/requeue.json left): 0 suits a launcher script that reads the marker (SLURM); "
                                   "non-zero makes torchrun and Kubernetes restart the workers, where a pod that "
                                   "exits 0 counts as done", ge=0, le=255, default=0)
+    preempt_lead_s: float = meta("seconds the scheduler gives between its preemption signal and its kill (SLURM "
+                                 "--signal=SIG@N: N; Kubernetes: terminationGracePeriodSeconds); after each "
+                                 "checkpoint the run records what it needs in RUN/preemption.json and warns when "
+                                 "this is shorter (0 = not checked)", ge=0, default=0.0)
     straggler_every: int = meta("steps between gathers of the ranks' step times (0 = off)", ge=0, default=50)
     straggler_factor: float = meta("a rank whose busy time exceeds this x the median is reported as a straggler",
                                    gt=1, default=1.5)

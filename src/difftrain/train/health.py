@@ -32,6 +32,7 @@ log = logging.getLogger("difftrain.health")
 
 HANG_EXIT_CODE = 86
 REQUEUE_MARKER = "requeue.json"
+LEAD_FILE = "preemption.json"
 
 
 class SpikeDetector:
@@ -133,6 +134,57 @@ class Preemption:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old.clear()
+
+
+class PreemptLead:
+    """The time a preemption needs between the scheduler's signal and its kill, measured as the run goes: the
+    longest of the last ``window`` steps (a signal is answered after the step in flight), the newest
+    checkpoint's write (a preemption's checkpoint is blocking) and a margin (``margin_s``, at least a quarter).
+
+    After each checkpoint rank 0 writes ``RUN/preemption.json``: the figures, ``lead_needed_s`` and
+    ``shutdown_timeout_s`` (what torchrun's ``--shutdown-timeout`` should give the workers; the launch scripts
+    read it). When the scheduler's configured lead (``health.preempt_lead_s``: SLURM's ``--signal=SIG@N``,
+    Kubernetes' ``terminationGracePeriodSeconds``) is shorter than the need, it warns once per start: the
+    next preemption's checkpoint would be killed part way (the previous checkpoint stays intact)."""
+
+    def __init__(self, run_dir: str | Path, configured_s: float, on_event=None, margin_s: float = 15.0,
+                 window: int = 100):
+        self.path = Path(run_dir) / LEAD_FILE
+        self.configured_s, self.margin_s = configured_s, margin_s
+        self.on_event = on_event or (lambda *a, **k: None)
+        self._steps: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.warned = False
+
+    def step(self, seconds: float) -> None:
+        with self._lock:
+            self._steps.append(seconds)
+
+    def need(self, save_s: float) -> dict:
+        with self._lock:
+            step_s = max(self._steps, default=0.0)
+        base = step_s + save_s
+        needed = base + max(self.margin_s, 0.25 * base)
+        return {"step_s": round(step_s, 3), "save_s": round(save_s, 3), "margin_s": round(needed - base, 3),
+                "lead_needed_s": round(needed, 1), "shutdown_timeout_s": math.ceil(needed),
+                "configured_lead_s": self.configured_s or None}
+
+    def saved(self, step: int, write_s: float) -> dict:
+        """Record the need after a checkpoint written in ``write_s`` seconds (rank 0); warn if it is not met."""
+        rec = {"step": step, "time": round(time.time(), 3), **self.need(write_s)}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(rec) + "\n")
+        os.replace(tmp, self.path)
+        if self.configured_s and self.configured_s < rec["lead_needed_s"] and not self.warned:
+            self.warned = True
+            log.warning("health.preempt_lead_s = %g s is shorter than a preemption needs here: %.1f s (a step of "
+                        "%.1f s, a checkpoint of %.1f s, a margin); give the scheduler's signal a longer lead "
+                        "(SLURM --signal=USR1@%d, Kubernetes terminationGracePeriodSeconds: %d) and set "
+                        "health.preempt_lead_s to it", self.configured_s, rec["lead_needed_s"], rec["step_s"],
+                        rec["save_s"], rec["shutdown_timeout_s"] + 5, rec["shutdown_timeout_s"] + 5)
+            self.on_event("preempt_lead_short", step, configured_s=self.configured_s,
+                          needed_s=rec["lead_needed_s"])
+        return rec
 
 
 def write_requeue_marker(run_dir: str | Path, step: int, reason: str) -> Path:

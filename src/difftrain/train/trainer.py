@@ -41,8 +41,8 @@ from difftrain.train import faults
 from difftrain.train.budget import TimeBudget
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.ema import EMA
-from difftrain.train.health import JsonLogHandler, Preemption, StepHealth, Watchdog, run_id, write_requeue_marker, \
-    REQUEUE_MARKER
+from difftrain.train.health import JsonLogHandler, PreemptLead, Preemption, StepHealth, Watchdog, run_id, \
+    write_requeue_marker, REQUEUE_MARKER
 from difftrain.train.metrics import MetricsLogger, peak_memory_gb
 from difftrain.train.objectives import Denoiser, Objective
 from difftrain.train.schedule import lr_at
@@ -96,8 +96,9 @@ class Trainer:
             self.micro_batch, self.accum = 0, 1
         else:
             self.micro_batch, self.accum = batch_split(tc.global_batch, tc.micro_batch, self.env.dp_size)
+        self.lead = PreemptLead(self.run_dir, cfg.health.preempt_lead_s, self.metrics.event)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_checkpoints, tc.keep_every, tc.async_checkpoint,
-                                         on_event=self.metrics.event)
+                                         on_event=self._checkpoint_event)
         found = self._find_checkpoint()
         info = self._check_resumable(found, resume, allow_config_change)
         torch.manual_seed(cfg.run.seed)
@@ -241,6 +242,13 @@ class Trainer:
         self.restarts = int(info.get("restarts", 0))
         log.info("resumed from %s at step %d", path, self.step)
 
+    def _checkpoint_event(self, kind: str, step: int, **info) -> None:
+        """The checkpointer's events (rank 0), into events.jsonl; a written checkpoint also updates what a
+        preemption needs (RUN/preemption.json)."""
+        self.metrics.event(kind, step, **info)
+        if kind == "checkpoint":
+            self.lead.saved(step, info.get("write_s", 0.0))
+
     def save(self, blocking: bool | None = None):
         """Checkpoint the whole training state (async unless ``blocking``); returns the save's result."""
         extra = {"loader": self.loader.state_dict(), **self.budget.state_dict(), **self.health.state_dict(),
@@ -380,6 +388,7 @@ class Trainer:
             set_collective_timeout(self.env, self.cfg.parallel.timeout_minutes)
             self.timeout_tightened = True
         self.train_seconds += fetched.data_s + fetched.step_s
+        self.lead.step(fetched.data_s + fetched.step_s)
         self.tokens_seen += stats.tokens
         self.budget.observe(self.step, self.train_seconds)
         self.health.stragglers(self.step, fetched.data_s + fetched.step_s - stats.wait_s, self.env.rank)
