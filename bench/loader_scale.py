@@ -9,6 +9,8 @@ For each size it reports
   from the epoch's keyed order, the per-slot draws, the stream positions recorded for the state), over
   ``--steps`` consecutive steps; the streams are resumed near their epoch's end, so every size crosses an
   epoch boundary half way;
+- ``plan_cpu_ms_max``: the largest step's CPU time on the planning thread; on a shared machine a wall-clock
+  maximum far above it is the thread waiting for a core, not planning work;
 and ``plan_growth_1e8_over_1e5``, p50 at the largest size over p50 at the smallest.
 
     python bench/loader_scale.py [--sizes 1e5 1e6 1e7 1e8] [--steps 2000] [--batch 2048] [--root DIR]
@@ -107,18 +109,20 @@ def measure(store: str, n: int, batch: int, steps: int) -> dict:
             state["positions"][s.name] = [0, max(0, len(s) - share) % len(s)]
         loader.load_state_dict(state)
         epochs0 = {s.name: s.epoch for s in streams}
-        times = []
+        times, cpu = [], []
         for step in range(loader.step, loader.step + steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             loader._plan(step)
             loader._positions()
+            cpu.append((time.thread_time() - c) * 1e3)
             times.append((time.perf_counter() - t) * 1e3)
         crossed = all(s.epoch > epochs0[s.name] for s in streams)
     finally:
         loader.close()
     return {"rows": n, "loader_init_s": round(init_s, 2), "index_bytes_per_sample": round(index / n, 2),
             "rss_growth_bytes_per_sample": round(grown / n, 2), "plan_ms_p50": round(float(np.median(times)), 3),
-            "plan_ms_max": round(float(np.max(times)), 3), "epoch_boundary_crossed": crossed}
+            "plan_ms_max": round(float(np.max(times)), 3), "plan_cpu_ms_max": round(float(np.max(cpu)), 3),
+            "epoch_boundary_crossed": crossed}
 
 
 def main() -> None:
