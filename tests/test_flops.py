@@ -146,6 +146,25 @@ def test_cuda_peak_table(monkeypatch):
     assert peak_flops(cuda, torch.bfloat16)[0] == PEAK_BF16_FLOPS["GB200"]
     _fake_cuda(monkeypatch, "NVIDIA H200")
     assert peak_flops(cuda, torch.bfloat16) == (989e12, "H200 dense bf16/fp16 spec peak")
+    _fake_cuda(monkeypatch, "NVIDIA A100-SXM4-80GB")             # not in the table: the config's train.peak_tflops
+    with pytest.raises(ValueError, match="override"):
+        peak_flops(cuda, torch.bfloat16)
+    assert peak_flops(cuda, torch.bfloat16, override=312e12)[0] == 312e12
+
+
+def test_the_configured_peak_sets_the_mfu_of_a_run(tiny_cfg, tmp_path):
+    from difftrain.train import build_trainer
+    from difftrain.train.metrics import read_metrics
+
+    tr = build_trainer(tiny_cfg("train.steps=2", "train.checkpoint_every=0", "train.log_every=1",
+                                "train.peak_tflops=0.001"), tmp_path / "run")
+    try:
+        tr.fit()
+    finally:
+        tr.close()
+    assert tr.peak == 1e9
+    rows = [m for m in read_metrics(tmp_path / "run") if "mfu" in m]
+    assert rows and all(m["mfu"] > 0 for m in rows)
 
 
 @pytest.mark.parametrize("name", ["NVIDIA Quantum X1", "NVIDIA H100 PCIe"])

@@ -40,6 +40,25 @@ def test_prometheus_endpoint_serves_metrics_and_event_counters(tmp_path):
     assert [e["step"] for e in read_events(tmp_path)] == [7, 14]
 
 
+def test_each_process_of_a_node_serves_port_plus_its_local_rank(tiny_cfg, tmp_path, monkeypatch):
+    """Local rank, not global rank: rank 9 of a job is local rank 1 of its node and serves port + 1, as local
+    rank 1 does on every node (one scrape config for all nodes)."""
+    from difftrain.train import build_trainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    tr = build_trainer(tiny_cfg("train.steps=1", "train.checkpoint_every=0", f"train.metrics_port={base - 1}"),
+                       tmp_path / "run")
+    try:
+        tr.fit()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{base}/metrics", timeout=10).read().decode()
+    finally:
+        tr.close()
+    assert 'difftrain_step{rank="0"} 1.0' in text
+
+
 def test_port_in_use_is_a_clear_error(tmp_path):
     from difftrain.errors import UserError
     with socket.socket() as s:

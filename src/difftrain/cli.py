@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-config-change", nargs="+", default=[], metavar="KEY",
                    help="config keys (or sections) that may differ from the checkpoint's when resuming")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (rank r: port + r); sets train.metrics_port")
+                   help="serve Prometheus metrics on this port (local rank r: port + r); sets train.metrics_port")
     _add_set(p)
 
     p = sub.add_parser("export", help="consolidated safetensors weights (EMA or raw) and config from a checkpoint",

@@ -199,8 +199,11 @@ class TrainConfig:
     async_checkpoint: bool = meta("write checkpoints in the background: the state is staged to host memory (pinned "
                                   "on GPUs) before the next step, and written while training goes on; the final "
                                   "checkpoint and a preemption's are always written before exiting", default=True)
-    metrics_port: int = meta("serve Prometheus metrics on this port (rank r on port + r; 0 = off)", ge=0, le=65535,
-                             default=0)
+    metrics_port: int = meta("serve Prometheus metrics on this port (the process of local rank r on port + r, so "
+                             "every node serves the same ports; 0 = off)", ge=0, le=65535, default=0)
+    peak_tflops: float = meta("dense peak TFLOP/s of one accelerator at the training dtype, for MFU (0 = from the "
+                              "device: the spec table, which holds H100/H200/B200/GB200, or a measured GEMM rate "
+                              "on CPU); set it for others, e.g. 312 for an A100 in bf16", ge=0, default=0.0)
 
 
 @dataclass

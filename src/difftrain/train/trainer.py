@@ -155,7 +155,8 @@ class Trainer:
         if root_logger.getEffectiveLevel() > logging.INFO:   # the JSON log keeps INFO whatever the console shows
             root_logger.setLevel(logging.INFO)
         port = self.cfg.train.metrics_port
-        self.metrics = MetricsLogger(self.run_dir, port=(port + self.env.rank) if port else 0)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))       # the same ports on every node
+        self.metrics = MetricsLogger(self.run_dir, port=(port + local_rank) if port else 0)
 
     def _check_resumable(self, found: Path | None, resume: bool, allowed: tuple[str, ...]) -> dict | None:
         """The checkpoint's info, after refusing a resume that was not asked for or a silent config change."""
@@ -212,9 +213,10 @@ class Trainer:
 
     def _peak(self) -> float | None:
         try:
-            return peak_flops(self.device, self.amp or torch.float32)[0]
+            override = self.cfg.train.peak_tflops * 1e12 or None
+            return peak_flops(self.device, self.amp or torch.float32, override)[0]
         except ValueError as e:          # an accelerator missing from the peak table: no MFU, say why once
-            log.warning("MFU not reported: %s", e)
+            log.warning("MFU not reported: %s (in a config: train.peak_tflops)", e)
             return None
 
     def _mean_over_ranks(self, values: list[float]) -> list[float]:
