@@ -101,7 +101,7 @@ def per_sample_error(v_pred_BLC: Tensor, x0_BLC: Tensor, eps_BLC: Tensor, mask_B
 
 
 def flow_loss(v_pred_BLC: Tensor, x0_BLC: Tensor, eps_BLC: Tensor, mask_BL: Tensor,
-              weight_B: Tensor | None = None, normalizer: float | None = None) -> Tensor:
+              weight_B: Tensor | None = None, normalizer: float | Tensor | None = None) -> Tensor:
     """Scalar loss: the sum over every target token of the batch (so a sample with more target tokens,
     e.g. more keyframes, weighs more, as in a packed sequence), optionally weighted per sample, divided by
     ``normalizer``: by default this batch's target-token count (a mean); in training, the *global* count of

@@ -238,6 +238,13 @@ def broadcast_int(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def all_reduce_sum_on_device(values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks, left on its device (no host sync; a no-op in a world of one)."""
+    if dist.is_initialized():
+        dist.all_reduce(values)
+    return values
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum scalars over all ranks in one collective (a no-op in a world of one)."""
     if not dist.is_initialized():

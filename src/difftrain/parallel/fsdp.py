@@ -106,8 +106,9 @@ def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> float:
-    """Clip gradients by their global norm over every rank and return that norm (before clipping).
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Clip gradients by their global norm over every rank and return that norm (before clipping) as a 0-dim
+    tensor on the gradients' device: reading it is the caller's host sync, not this function's.
 
     Sharded (DTensor) and plain gradients are normed separately and combined, since torch releases differ
     in whether ``clip_grad_norm_`` accepts a mix; the DTensor part reduces over the shards once (one
@@ -124,11 +125,11 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
     if plain:
         squares.append(torch.nn.utils.get_total_norm(plain, 2.0).float() ** 2)
     if not squares:
-        return 0.0
+        return torch.zeros(())
     total = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
     if max_norm < float("inf"):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
             local = g.to_local() if isinstance(g, DTensor) else g
             local.mul_(coef.to(local.device, local.dtype))
-    return float(total)
+    return total

@@ -97,7 +97,7 @@ class Objective(Protocol):
     def count(self, batch: Batch) -> float:
         """The unit the step's loss is divided by, in this micro-batch (summed over micro-batches and ranks)."""
 
-    def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float) -> MicroLoss:
+    def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float | Tensor) -> MicroLoss:
         """One micro-batch's loss contribution, for optimizer step ``step`` (0-based)."""
 
     def metrics(self, loss: float, task: str) -> dict[str, float]:
@@ -118,7 +118,7 @@ class FlowMatching:
     def count(self, batch: Batch) -> float:
         return float(batch.loss_mask_BL.sum())
 
-    def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float) -> MicroLoss:
+    def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float | Tensor) -> MicroLoss:
         b = model.on_device(batch)
         _, H, W = b.grid
         t, eps = draw_t_and_noise(self.spec, seed, step, b.sample_ids, tuple(b.x0_BLC.shape[1:]),

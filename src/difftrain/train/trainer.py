@@ -33,7 +33,7 @@ from difftrain.models import build_autoencoder, build_dit, build_text_encoder, d
 from difftrain.parallel import parallelize
 from difftrain.parallel.compile import compile_count, use_compile_cache
 from difftrain.parallel.cp import cp_disabled
-from difftrain.parallel.dist import ParallelEnv, all_reduce_sum, batch_split, broadcast_int, init_distributed, \
+from difftrain.parallel.dist import ParallelEnv, all_reduce_sum, all_reduce_sum_on_device, batch_split, broadcast_int, init_distributed, \
     set_collective_timeout
 from difftrain.parallel.flops import mfu, peak_flops
 from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
@@ -276,12 +276,14 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         t0 = time.perf_counter()
-        # The objective's count (loss tokens for flow matching) over ranks and micro-batches; context-parallel
+        # The objective's count (loss tokens for flow matching) over ranks and micro-batches, counted on the host
+        # batches and summed on the device: the normalizer stays a device tensor (no host sync); context-parallel
         # peers hold the same samples, hence / cp.
-        local = [sum(self.objective.count(b) for b in batches), float(sum(len(b) for b in batches))]
-        n_global, n_samples = all_reduce_sum(local, self.device)
-        wait = time.perf_counter() - t0
-        normalizer = max(1.0, n_global / self.env.cp)
+        local = torch.tensor([sum(self.objective.count(b) for b in batches), float(sum(len(b) for b in batches))],
+                             dtype=torch.float64).to(self.device, non_blocking=True)
+        counts = all_reduce_sum_on_device(local)
+        wait = time.perf_counter() - t0          # gloo's all-reduce blocks; NCCL's is queued on the stream
+        normalizer = (counts[0] / self.env.cp).clamp(min=1.0).float()
         total = torch.zeros((), device=self.device)
         tokens = flops = 0.0
         poison = faults.nan_at(self.step + 1)
@@ -295,10 +297,17 @@ class Trainer:
         all_reduce_grads(self.replicated)
         # The optimizer's parameters are the sharded ones; a unit left gathered would name other tensors.
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        gnorm = clip_grad_norm(params, tc.grad_clip or float("inf"))
+        gnorm_t = clip_grad_norm(params, tc.grad_clip or float("inf"))
+        # The step's two host syncs. This one: the loss, the (global) gradient norm and the sample count come to
+        # the host together once this rank's forward and backward are done (it times this rank's own work for
+        # the straggler report, and the skip decision below needs the values before the optimizer step).
+        loss_local, gnorm, n_samples = torch.stack([total.double(), gnorm_t.to(total.device).double(),
+                                                    counts[1]]).tolist()
         t1 = time.perf_counter()
         stop_flag = 1.0 if self.preemption.requested else 0.0
-        loss_sum, tokens, flops, stop = all_reduce_sum([float(total), tokens, flops, stop_flag], self.device)
+        # The other: one all-reduce of the loss, tokens, FLOPs and the stop flag (every rank stops after the same
+        # step; the logged loss is global).
+        loss_sum, tokens, flops, stop = all_reduce_sum([loss_local, tokens, flops, stop_flag], self.device)
         t2 = time.perf_counter()
         wait += t2 - t1
         skipped = not math.isfinite(loss_sum) or not math.isfinite(gnorm)
