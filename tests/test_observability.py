@@ -4,6 +4,7 @@ detection."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -100,6 +101,44 @@ def test_stragglers():
     assert stragglers([1.0, 1.1, 0.9, 2.0], 1.5) == [3]
     assert stragglers([1.0, 1.2], 1.5) == []
     assert stragglers([3.0], 1.5) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pause_at, fires", [(1, False), (2, True)])
+def test_the_first_step_runs_under_the_start_up_allowance_and_later_ones_under_hang_seconds(tmp_path, pause_at,
+                                                                                          fires):
+    """A 12 s pause before step 1 (a long first compilation) is inside the 60 s start-up allowance; the same
+    pause before step 2 is a hang (limit 4 s): stacks written, exit 86 for the launcher to restart."""
+    from conftest import TINY
+    from difftrain.config import load_config, to_toml
+
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(to_toml(load_config(None, TINY + ["train.steps=3", "train.checkpoint_every=0", "train.threads=1",
+                                                     "health.hang_seconds=4", "health.hang_startup_seconds=60"])))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_FAULTS": f"pause@{pause_at}", "DIFFTRAIN_SLOW_S": "12"}
+    proc = subprocess.run([sys.executable, "-m", "difftrain", "train", str(cfg), "--run-dir", str(tmp_path / "run"),
+                           "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    dump = tmp_path / "run" / "hang" / "rank_0.txt"
+    if fires:
+        assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-2000:]
+        assert "(limit 4 s) after step 1 (training)" in dump.read_text()
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert not dump.exists()
+
+
+def test_the_watchdog_watches_the_build_before_any_step(tiny_cfg, tmp_path):
+    from difftrain.train import build_trainer
+
+    tr = build_trainer(tiny_cfg("train.steps=1", "train.checkpoint_every=0", "health.hang_startup_seconds=30"),
+                       tmp_path / "run")
+    try:
+        assert tr.watchdog._thread.is_alive() and not tr.watchdog.steady and tr.watchdog._limit() == 30
+        tr.fit()
+        assert tr.watchdog.steady
+    finally:
+        tr.close()
+    assert not tr.watchdog._thread.is_alive() or tr.watchdog._stop.is_set()
 
 
 def test_watchdog_dumps_stacks_and_exits_for_the_launcher(tmp_path):

@@ -10,6 +10,7 @@ in the metrics. Kinds:
 - ``nan``: the loss of STEP is made non-finite on the rank;
 - ``hang``: the rank stops making progress before step STEP (sleeps), for the watchdog to find;
 - ``slow``: the rank sleeps ``DIFFTRAIN_SLOW_S`` seconds (default 0.5) in every step from STEP on;
+- ``pause``: the rank sleeps ``DIFFTRAIN_SLOW_S`` seconds once, before step STEP (a long compilation);
 - ``sigterm``: the rank sends itself SIGTERM before step STEP runs (a preemption notice);
 - ``corrupt``: before step STEP, the rank flips bytes in the newest complete checkpoint's largest file, then
   SIGKILLs itself (the restart must detect the damage and resume from the previous checkpoint).
@@ -31,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("kill", "killsave", "enospc", "erofs", "nan", "hang", "slow", "sigterm", "corrupt")
+KINDS = ("kill", "killsave", "enospc", "erofs", "nan", "hang", "slow", "pause", "sigterm", "corrupt")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ def at_step(step: int, wait=None) -> None:
         _fire(f)
         while True:              # a rank that stopped making progress: only the watchdog ends this
             time.sleep(3600)
+    if (f := _armed("pause", step)) is not None:
+        _fire(f)
+        time.sleep(float(os.environ.get("DIFFTRAIN_SLOW_S", "0.5")))
     for f in _state["faults"]:
         if f.kind == "slow" and step >= f.step and f.rank in ("*", str(_state["rank"])):
             time.sleep(float(os.environ.get("DIFFTRAIN_SLOW_S", "0.5")))

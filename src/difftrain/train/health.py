@@ -64,12 +64,17 @@ class Watchdog:
         self.last = time.monotonic()
         self.step: int | None = None
         self.what = "start-up"
+        self.steady = False          # False until a step has finished: the start-up allowance applies
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Watchdog":
-        if self.timeout > 0:
-            self._thread = threading.Thread(target=self._run, name="difftrain-watchdog", daemon=True)
+        """Start watching (again, after ``stop``); a no-op while watching or with no timeout."""
+        if self.timeout > 0 and not (self._thread is not None and self._thread.is_alive()):
+            self._stop = threading.Event()
+            self.last = time.monotonic()
+            self._thread = threading.Thread(target=self._run, args=(self._stop,), name="difftrain-watchdog",
+                                            daemon=True)
             self._thread.start()
         return self
 
@@ -79,11 +84,15 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    def _limit(self) -> float:
-        return self.startup_timeout if self.step is None else self.timeout
+    def mark_steady(self) -> None:
+        """A step has finished: build, load, compile and the first step are behind; hang_seconds from now."""
+        self.steady = True
 
-    def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
+    def _limit(self) -> float:
+        return self.timeout if self.steady else self.startup_timeout
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(min(1.0, self.timeout / 4)):
             idle = time.monotonic() - self.last
             if idle > self._limit():
                 self._fire(idle)

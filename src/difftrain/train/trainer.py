@@ -84,11 +84,26 @@ class Trainer:
             raise UserError(f"data.source = {cfg.data.source!r} serves batches of "
                             f"{' or '.join(source.batch_kinds)}; the objective {objective.name!r} needs "
                             f"{objective.batch_kind!r}")
-        self.cfg, self.objective, tc = cfg, objective, cfg.train
+        self.cfg, self.objective = cfg, objective
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.env = env or init_distributed(cfg)
         self.device = self.env.device
         self._start_logs()
+        hc = cfg.health
+        # Watched from here: building, loading or resuming, compiling and the first step run under the start-up
+        # allowance (hang_startup_seconds); steps after the first under hang_seconds.
+        self.watchdog = Watchdog(self.run_dir, self.env.rank, hc.hang_seconds, hc.hang_startup_seconds,
+                                 on_fire=lambda idle: self.metrics.event("hang", getattr(self, "step", 0),
+                                                                         rank=self.env.rank, idle_s=round(idle, 1),
+                                                                         force=True)).start()
+        try:
+            self._build(source, resume, allow_config_change)
+        except BaseException:
+            self.watchdog.stop()
+            raise
+
+    def _build(self, source, resume: bool, allow_config_change: tuple[str, ...]) -> None:
+        cfg, tc = self.cfg, self.cfg.train
         self.amp = amp_dtype(tc.precision, self.device)
         if tc.threads:
             torch.set_num_threads(tc.threads)
@@ -125,7 +140,6 @@ class Trainer:
         self.health = StepHealth(cfg.health, self.run_dir, self.env.is_main, self.env.world, self.device,
                                  self.metrics.event)
         self.preemption = Preemption()
-        self.watchdog: Watchdog | None = None
         self.last_save = None
         self.peak = self._peak()
         self.compiled_graphs = compile_count()
@@ -348,12 +362,9 @@ class Trainer:
         return self._finish(preempted, stats, last, t_start)
 
     def _begin(self) -> None:
-        hc = self.cfg.health
         self.tokens_seen = 0
         self.preemption.install()
-        self.watchdog = Watchdog(self.run_dir, self.env.rank, hc.hang_seconds, hc.hang_startup_seconds,
-                                 on_fire=lambda idle: self.metrics.event("hang", self.step, rank=self.env.rank,
-                                                                         idle_s=round(idle, 1), force=True)).start()
+        self.watchdog.start().beat(self.step, "start-up")     # (again, after an earlier fit stopped it)
         self.metrics.event("start", self.step, world=self.env.world, restarts=self.restarts, run_id=self.run_id)
 
     def _fetch(self) -> Fetched | None:
@@ -395,6 +406,7 @@ class Trainer:
 
     def _account(self, stats: StepStats, fetched: Fetched) -> None:
         """Times and counters of a finished step: the time budget, stragglers, the collective timeout."""
+        self.watchdog.mark_steady()          # a step has finished: from now on hang_seconds applies
         if self.step >= self.cfg.parallel.startup_steps and not self.timeout_tightened:
             set_collective_timeout(self.env, self.cfg.parallel.timeout_minutes)
             self.timeout_tightened = True
