@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +182,29 @@ def test_write_failure_leaves_previous_checkpoint_intact(tmp_path, monkeypatch, 
     monkeypatch.delenv("DIFFTRAIN_FAULTS")
     faults.configure(tmp_path, 0)
     ck.close()
+
+
+def test_sampling_loads_the_checkpoint_into_the_models_own_parameters(tiny_cfg, tmp_path):
+    """No second copy of the model while loading for sampling: the EMA weights are read into the parameters
+    the pipeline's model already holds (same storage), and equal the checkpoint's."""
+    from safetensors.torch import load_file
+
+    from difftrain.inference import load_pipeline
+    from difftrain.train import build_trainer
+    from difftrain.train.checkpoint import Checkpointer
+
+    tr = build_trainer(tiny_cfg("train.steps=2", "train.checkpoint_every=0"), tmp_path / "run")
+    tr.fit()
+    tr.close()
+    info = Checkpointer.read_info(tmp_path / "run")
+    stored = {}
+    for f in sorted(Path(info["path"]).glob("*.safetensors")):
+        stored.update({k[len("ema."):]: v for k, v in load_file(str(f)).items() if k.startswith("ema.")})
+    into = {k: torch.zeros_like(v) for k, v in stored.items()}
+    ptrs = {k: v.data_ptr() for k, v in into.items()}
+    out = Checkpointer.load_tensors(tmp_path / "run", "ema", into)
+    assert out is into and {k: v.data_ptr() for k, v in into.items()} == ptrs
+    assert all(torch.equal(into[k], stored[k]) for k in stored)
+    pipe, _, _ = load_pipeline(tmp_path / "run")
+    got = dict(pipe.model.named_parameters())
+    assert set(got) == set(stored) and all(torch.equal(got[k], stored[k]) for k in stored)

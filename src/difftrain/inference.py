@@ -47,12 +47,9 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     vocab = info.get("text_encoder", {}).get("vocabulary")
     text = build_text_encoder(cfg, vocab, device)
     model = build_model(cfg, text, ae, device)
+    # The checkpoint's weights are read into the model's own parameters: one copy of the model, not two.
     params = {k: v.detach() for k, v in model.named_parameters()}
-    if use_ema and cfg.train.ema_decay > 0:
-        weights = Checkpointer.load_tensors(info["path"], "ema", params)
-    else:
-        weights = Checkpointer.load_tensors(info["path"], "model", params)
-    model.load_state_dict(weights, strict=True)
+    Checkpointer.load_tensors(info["path"], "ema" if use_ema and cfg.train.ema_decay > 0 else "model", params)
     model.eval().requires_grad_(False)
     pipe = Pipeline(model, text, ae.to(device), FlowSpec.from_config(cfg.diffusion), device,
                     amp_dtype(cfg.train.precision, device), sample_shift=(cfg.sample.shift, cfg.sample.shift_value))

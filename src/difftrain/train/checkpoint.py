@@ -588,12 +588,14 @@ class Checkpointer:
         return info
 
     @staticmethod
-    def load_tensors(path: str | Path, prefix: str, like: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Read ``prefix.*`` tensors shaped as ``like`` (e.g. EMA weights for sampling)."""
+    def load_tensors(path: str | Path, prefix: str, into: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Read ``prefix.*`` tensors (e.g. the EMA weights, for sampling) **into** the tensors of ``into``, in
+        place and cast to their dtype: loading a model's own parameters this way costs no second copy of it.
+        Returns ``into``."""
         info = Checkpointer.read_info(path)
-        want = {f"{prefix}.{k}": v.clone() for k, v in like.items()}
+        want = {f"{prefix}.{k}": v for k, v in into.items()}
         _load_or_explain(want, Path(info["path"]))
-        return {k[len(prefix) + 1:]: v for k, v in want.items()}
+        return into
 
 
 def _describe(e: BaseException) -> str:

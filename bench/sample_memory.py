@@ -1,0 +1,95 @@
+"""Memory of sampling a model bigger than a toy: a ~530M-parameter DiT (shapes-tiny's text and autoencoder, a
+hidden size of 1152 with FLUX's head size, 6 double and 12 single blocks) is checkpointed, then loaded by
+``difftrain.inference.load_pipeline`` in a fresh process and sampled (one prompt, 2 steps, CPU).
+
+Prints one JSON object: ``params``, ``weight_bytes`` (fp32), ``baseline_rss_mb`` (the process after imports),
+``peak_rss_mb`` (its peak), ``peak_anon_mb`` (the peak of its anonymous memory, sampled every 5 ms),
+``peak_over_weights_1rank`` = (peak anonymous - baseline anonymous) / weight bytes (target <= 1.3: the weights
+once, plus what building and sampling need) and ``peak_rss_over_weights_1rank``, the same from the RSS peak,
+which also counts the checkpoint files' pages that safetensors maps while reading (page cache, not the
+process's own memory), ``load_s``, ``sample_s``. Sampling sharded over
+ranks (``peak_over_weights_2rank``) is not built yet and is reported as null.
+
+    python bench/sample_memory.py [--dir DIR] [--hidden 1152]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WRITE = """
+import sys
+from difftrain.config import load_config, preset_path
+from difftrain.train import build_trainer
+cfg = load_config(preset_path("shapes-tiny"), sys.argv[2:])
+tr = build_trainer(cfg, sys.argv[1])
+tr.save(blocking=True)
+tr.close()
+"""
+
+READ = """
+import json, os, resource, sys, threading, time, gc
+import torch
+from difftrain.inference import load_pipeline, request_batch
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+peak_anon, done = [0], threading.Event()
+def watch():
+    while not done.wait(0.005):
+        peak_anon[0] = max(peak_anon[0], anon())
+gc.collect()
+base, base_anon = rss(), anon()
+threading.Thread(target=watch, daemon=True).start()
+t0 = time.perf_counter()
+pipe, cfg, _ = load_pipeline(sys.argv[1], device=torch.device("cpu"))
+t1 = time.perf_counter()
+batch = request_batch(pipe, cfg, ["a small red circle in the top left"])
+pipe.to_images(pipe.sample(batch, steps=2, seed=0))
+t2 = time.perf_counter()
+done.set()
+peak_anon[0] = max(peak_anon[0], anon())
+dit = pipe.model["dit"]
+print(json.dumps({"params": sum(p.numel() for p in dit.parameters()),
+                  "weight_bytes": sum(p.numel() * p.element_size() for p in pipe.model.parameters()),
+                  "baseline_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "baseline_anon": base_anon, "peak_anon": peak_anon[0],
+                  "load_s": round(t1 - t0, 1), "sample_s": round(t2 - t1, 1)}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=None, help="where the checkpoint is written (default: a temporary folder)")
+    ap.add_argument("--hidden", type=int, default=1152, help="model width (a multiple of 128)")
+    args = ap.parse_args()
+    sets = [f"model.hidden={args.hidden}", f"model.heads={args.hidden // 128}", "model.double_blocks=6",
+            "model.single_blocks=12", "model.axes_dims_rope=[16, 56, 56]", "train.ema_decay=0", "train.steps=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        run = str(Path(tmp) / "run")
+        subprocess.run([sys.executable, "-c", WRITE, run, *sets], check=True, env=env)
+        out = json.loads(subprocess.run([sys.executable, "-c", READ, run], check=True, env=env, capture_output=True,
+                                        text=True).stdout.splitlines()[-1])
+    grown = out["peak_anon"] - out["baseline_anon"]
+    print(json.dumps({"params": out["params"], "weight_bytes": out["weight_bytes"],
+                      "baseline_rss_mb": round(out["baseline_rss"] / 2**20), "peak_rss_mb": round(out["peak_rss"] / 2**20),
+                      "peak_anon_mb": round(out["peak_anon"] / 2**20),
+                      "peak_over_weights_1rank": round(grown / out["weight_bytes"], 3),
+                      "peak_rss_over_weights_1rank": round((out["peak_rss"] - out["baseline_rss"]) / out["weight_bytes"], 3),
+                      "peak_over_weights_2rank": None, "load_s": out["load_s"], "sample_s": out["sample_s"]}))
+
+
+if __name__ == "__main__":
+    main()
