@@ -8,7 +8,10 @@ Writes one JSON object (stdout and ``--out``):
   ``parallel.flops`` (real tokens, matmuls + attention, forward + backward);
 - ``mfu_full_ac`` (and its step time, peak memory): the same with full activation checkpointing, to show the
   trade-off the planner reports;
-- ``planner_error``: (planner estimate - ``torch.cuda.max_memory_allocated``) / measured for the no-AC run.
+- ``planner_error``: (planner estimate - ``torch.cuda.max_memory_allocated``) / measured for the no-AC run;
+- ``trainer_step_s``: the same size of model through ``Trainer.train_step``, what ``difftrain train`` runs (FSDP2,
+  EMA, per-sample generators, reductions), and ``host_syncs_in_a_step`` (one step under
+  ``torch.cuda.set_sync_debug_mode("warn")``; two are listed in docs/distributed.md; "not run" on a CPU).
 
 Needs only torch (the GPU machine's preinstalled one) and ``PYTHONPATH=src``; no diffusers, no downloads.
 ``--smoke`` runs the same code on the CPU with a tiny model and no compilation (a test runs it, so the script
@@ -114,6 +117,56 @@ def train_run(ac: str, B: int, steps: int, warmup: int, compile: bool = True) ->
     return result
 
 
+def trainer_run(steps: int, warmup: int, smoke: bool) -> dict:
+    """The step ``difftrain train`` runs, not a bare loop: ``Trainer.train_step`` (the model as the config
+    builds and wraps it, FSDP2 on one rank, bf16 autocast, per-sample noise and timesteps, the loss
+    normalizer, gradient clipping, the step's reductions, AdamW and EMA) on one global batch the shapes
+    source served, reused. On a GPU, one more step under ``torch.cuda.set_sync_debug_mode("warn")`` counts
+    the host syncs it makes (docs/distributed.md lists two)."""
+    import tempfile
+    import warnings
+
+    from difftrain.config import load_config, preset_path
+    from difftrain.train import build_trainer
+
+    sets = ["train.threads=0", "train.checkpoint_every=0", "train.global_batch=2", "train.ema_decay=0.999"]
+    if not smoke:                      # ~2.2B parameters at 1024^2 (4,096 image tokens), compiled blocks
+        sets += ["model.hidden=2048", "model.heads=16", "model.double_blocks=8", "model.single_blocks=16",
+                 "model.axes_dims_rope=[16, 56, 56]", "data.image_size=1024", "train.compile=true",
+                 "data.t2i_weight=1.0", "data.edit_weight=0.0", "data.keyframe_weight=0.0"]
+    with tempfile.TemporaryDirectory() as run_dir:
+        tr = build_trainer(load_config(preset_path("shapes-tiny"), sets), run_dir)
+        try:
+            batches = next(tr.loader)
+            t0 = time.perf_counter()
+            for _ in range(warmup):
+                tr.train_step(batches)
+            sync()
+            warm_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tr.train_step(batches)
+            sync()
+            step_s = (time.perf_counter() - t0) / steps
+            out = {"trainer_step_s": round(step_s, 4), "trainer_warmup_s": round(warm_s, 1),
+                   "trainer_params": num_params(tr.dit), "trainer_img_tokens": batches[0].x0_BLC.shape[1]}
+            if DEVICE.type == "cuda":
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        tr.train_step(batches)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                syncs = [str(w.message).splitlines()[0][:200] for w in caught if "synchroniz" in str(w.message)]
+                out.update(host_syncs_in_a_step=len(syncs), host_sync_messages=syncs[:8])
+            else:
+                out["host_syncs_in_a_step"] = "not run (no CUDA device)"
+        finally:
+            tr.close()
+    return out
+
+
 def planner_error(B: int, measured_bytes: int | None) -> dict:
     """The planner's per-GPU total for this model and shape on 1 GPU against the measured peak (None on a
     CPU, where there is no allocator peak to compare with)."""
@@ -159,6 +212,12 @@ def main() -> None:
         print(json.dumps(out), file=sys.stderr, flush=True)   # partial results survive a timeout
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+    try:
+        out.update(trainer_run(args.steps, args.warmup, args.smoke))
+    except Exception as e:
+        out["error_trainer"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
     print(json.dumps(out))
 
 
