@@ -208,3 +208,61 @@ def test_sampling_loads_the_checkpoint_into_the_models_own_parameters(tiny_cfg, 
     pipe, _, _ = load_pipeline(tmp_path / "run")
     got = dict(pipe.model.named_parameters())
     assert set(got) == set(stored) and all(torch.equal(got[k], stored[k]) for k in stored)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_verify_shares_cover_every_file_once_within_a_fair_share_plus_the_largest(world):
+    import random
+
+    from difftrain.train.checkpoint import verify_shares
+
+    rng = random.Random(world)
+    files = {f"f{i}": {"bytes": rng.choice([10, 1000, 10**6, 3 * 10**6])} for i in range(23)}
+    shares = verify_shares(files, world)
+    assert len(shares) == world and sorted(n for s in shares for n in s) == sorted(files)
+    total, largest = sum(f["bytes"] for f in files.values()), max(f["bytes"] for f in files.values())
+    assert max(sum(files[n]["bytes"] for n in s) for s in shares) <= total / world + largest
+    assert verify_shares(files, world) == shares                      # every rank computes the same
+
+
+def test_a_share_only_checksums_its_files_but_every_size_is_checked(tmp_path):
+    from difftrain.train.checkpoint import verify
+
+    ck = Checkpointer(tmp_path)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _train(m, opt)
+    path = ck.save(1, m, opt, EMA(m, 0.9), {"loader": {}}, blocking=True).path
+    files = json.loads((path / MARKER).read_text())["files"]
+    target = max(files, key=lambda n: files[n]["bytes"])
+    with (path / target).open("r+b") as f:                           # same size, other bytes
+        f.seek(files[target]["bytes"] // 2)
+        b = f.read(1)
+        f.seek(files[target]["bytes"] // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert verify(path, only={target}) == f"{target} fails its CRC-32 checksum"
+    assert verify(path, only=set(files) - {target}) is None           # another rank's share: not its business
+    (path / target).write_bytes(b"short")
+    assert "bytes, its marker says" in verify(path, only=set())       # sizes are everyone's
+
+
+def test_a_shard_a_rank_wrote_but_the_listing_lacks_is_not_sealed(tmp_path, monkeypatch):
+    """The seal lists the files the ranks' write results name, not what a directory listing shows: a file a
+    stale listing omits stops the seal (the previous checkpoint stays the newest) instead of sealing without it."""
+    from difftrain.train.checkpoint import StreamingSafetensorsWriter
+
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ck = Checkpointer(tmp_path)
+    first = ck.save(1, m, opt, None, {"loader": {}}, blocking=True).path
+    real = StreamingSafetensorsWriter.finish
+
+    def finish_seeing_a_phantom(self, metadata, results):
+        out = real(self, metadata, results)
+        self.written = self.written + ["model-00002-of-00002.safetensors"]    # written elsewhere, not listed
+        return out
+
+    monkeypatch.setattr(StreamingSafetensorsWriter, "finish", finish_seeing_a_phantom)
+    with pytest.raises(OSError, match="model-00002-of-00002.safetensors written by a rank but not in the directory"):
+        ck.save(2, m, opt, None, {"loader": {}}, blocking=True)
+    assert ck.latest() == first

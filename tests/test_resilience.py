@@ -88,7 +88,7 @@ def reference(tmp_path_factory):
             "losses": {m["step"]: m["loss"] for m in read_metrics(d / "run") if "loss" in m}}
 
 
-@pytest.mark.parametrize("faults", ["kill@10:1", "killsave@8:0"])
+@pytest.mark.parametrize("faults", ["kill@10:1", "killsave@8:0", "corrupt@10:0"])
 def test_torchrun_restart_after_kill_is_bit_identical(reference, tmp_path, faults):
     run = tmp_path / "run"
     proc = _torchrun(reference["cfg"], run, faults, restarts=2, sample_log=tmp_path / "samples")
@@ -97,9 +97,24 @@ def test_torchrun_restart_after_kill_is_bit_identical(reference, tmp_path, fault
     resumes = [e for e in events if e["kind"] == "resume"]
     assert len(resumes) == 1, events
     # kill before step 10: the newest complete checkpoint is step 8, or 4 if 8's async write was still in flight
-    # (it fails when the peer dies, as it should); kill while sealing step 8: step 4
+    # (it fails when the peer dies, as it should); kill while sealing step 8: step 4; bytes flipped in step 8's
+    # largest file (rank 0's share to checksum): step 8 is set aside by both ranks' verdict, step 4 resumed
     assert resumes[0]["step"] in ((4, 8) if faults.startswith("kill@") else (4,))
+    if faults.startswith("corrupt"):
+        skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
+        assert [e["step"] for e in skipped] == [8] and "rank 0:" in skipped[0]["reason"] and \
+            "fails its CRC-32 checksum" in skipped[0]["reason"], skipped
+        assert (run / "checkpoints" / "step_00000008.bad").is_dir()
     assert resumes[0]["restart_count"] == 1
+    # the resumed checkpoint was checksummed by both ranks, each its share: together every byte once, neither
+    # more than half the bytes plus the largest file
+    verified = [e for e in events if e["kind"] == "verify" and e["step"] == resumes[0]["step"]]
+    assert len(verified) == 1, events
+    v = verified[0]
+    marker = json.loads((run / "checkpoints" / f"step_{v['step']:08d}" / "COMPLETE.json").read_text())["files"]
+    assert sum(v["bytes_by_rank"]) == v["total_bytes"] == sum(f["bytes"] for f in marker.values())
+    assert max(v["bytes_by_rank"]) <= v["total_bytes"] / 2 + max(f["bytes"] for f in marker.values())
+    assert min(v["bytes_by_rank"]) > 0
     assert not list((run / "checkpoints").glob("*.partial"))
     got = _final_files(run)
     assert got.keys() == reference["files"].keys()

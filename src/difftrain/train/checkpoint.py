@@ -38,7 +38,7 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 import torch
@@ -78,6 +78,32 @@ def _barrier() -> None:
 
 def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not _distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _marker_files(p: Path) -> dict | None:
+    try:
+        files = json.loads((p / MARKER).read_text())["files"]
+        return files if isinstance(files, dict) and files else None
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
 
 
 def _all_ok(ok: bool) -> bool:
@@ -129,8 +155,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def verify(path: str | Path, checksums: bool = True) -> str | None:
-    """None if the checkpoint directory is complete and every file matches its marker, else what is wrong."""
+def verify_shares(files: dict[str, dict], world: int) -> list[list[str]]:
+    """Which rank checksums which of a checkpoint's files: largest first, each to the rank with the fewest bytes
+    so far (ties: the lower rank). Every file goes to one rank, and no rank gets more than 1/world of the bytes
+    plus the largest file. A pure function of the marker, so every rank computes the same shares."""
+    shares: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    for name in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        shares[r].append(name)
+        load[r] += int(files[name]["bytes"])
+    return shares
+
+
+def verify(path: str | Path, checksums: bool = True, only: Collection[str] | None = None) -> str | None:
+    """None if the checkpoint directory is complete and every file matches its marker, else what is wrong.
+    Sizes are checked for every file the marker lists; CRC-32s for ``only`` those files when given (a rank's
+    share), else for all."""
     p = Path(path)
     marker = p / MARKER
     if not marker.is_file():
@@ -148,7 +189,7 @@ def verify(path: str | Path, checksums: bool = True) -> str | None:
         size = f.stat().st_size
         if size != want["bytes"]:
             return f"{name} has {size} bytes, its marker says {want['bytes']}"
-        if checksums:
+        if checksums and (only is None or name in only):
             _, digest = file_digest(f)
             if digest != want["crc32"]:
                 return f"{name} fails its CRC-32 checksum"
@@ -163,6 +204,14 @@ class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
     copies made while holding the GIL, which an async save's training thread then waits on). The file is
     checksummed as it is written; the size and CRC-32 go to ``NAME.crc32`` beside it, so that sealing the
     checkpoint need not read the shards back. Same format, same headers: DCP's reader loads it."""
+
+    written: list[str] | None = None
+
+    def finish(self, metadata, results):
+        """DCP's coordinator (rank 0) gets every rank's write results: the files of the checkpoint, which the seal
+        lists rather than what a directory listing shows."""
+        self.written = sorted({wr.storage_data.relative_path for rank in results for wr in rank})
+        return super().finish(metadata, results)
 
     def write_data(self, plan, planner):
         from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY,
@@ -312,6 +361,7 @@ class Checkpointer:
         # training collectives of the default group (created collectively, by every rank, here).
         self._pg = dist.new_group(backend="gloo") if async_save and _distributed() else None
         self.completed: list[SaveResult] = []
+        self.last_verify: dict | None = None
 
     # --- finding ---------------------------------------------------------------------------------
     def _step_dirs(self) -> list[Path]:
@@ -325,11 +375,29 @@ class Checkpointer:
 
     def latest(self, checksums: bool = True) -> Path | None:
         """The newest checkpoint that is complete and verifies. One that fails is reported, renamed
-        ``step_N.bad`` by rank 0 (kept for inspection, never deleted) and skipped."""
-        for p in reversed(self._step_dirs()):
-            problem = verify(p, checksums)
-            if problem is None:
+        ``step_N.bad`` by rank 0 (kept for inspection, never deleted) and skipped.
+
+        Under torch.distributed every rank takes part: rank 0's list of step directories is everyone's (a stale
+        directory listing on one node must not choose another checkpoint), each rank checks every file's size and
+        checksums its share of the files (``verify_shares``: at most 1/N of the bytes plus the largest file), and
+        the verdicts are gathered, so the choice is the same on every rank. ``last_verify`` holds the bytes each
+        rank checksummed, the total and the seconds."""
+        candidates = _broadcast_object([p.name for p in self._step_dirs()] if _is_rank0() else None)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        for p in reversed([self.dir / name for name in candidates]):
+            t0 = time.perf_counter()
+            mine, files = None, _marker_files(p)
+            if files is not None:
+                mine = set(verify_shares(files, world)[rank])
+            own = verify(p, checksums, mine)
+            problems = _gather_objects(own)
+            done = {"seconds": round(time.perf_counter() - t0, 3),
+                    "bytes_by_rank": _gather_objects(sum(int(files[n]["bytes"]) for n in mine) if mine else 0),
+                    "total_bytes": sum(int(f["bytes"]) for f in files.values()) if files else 0}
+            if all(x is None for x in problems):
+                self.last_verify = done
                 return p
+            problem = "; ".join(f"rank {r}: {x}" if world > 1 else x for r, x in enumerate(problems) if x)
             log.warning("checkpoint %s skipped: %s", p, problem)
             self.on_event("checkpoint_skipped", int(STEP_DIR.match(p.name).group(1)), path=str(p), reason=problem)
             if _is_rank0() and (p / MARKER).is_file():   # a damaged complete one: out of the way of a new save
@@ -376,7 +444,7 @@ class Checkpointer:
                 self._abandon(partial, result)
                 raise UserError(f"checkpoint at step {step} failed, the previous one is intact: "
                                 f"{result.error or 'a write failed on another rank'}")
-            self._finish(partial, final, doc, result, t0)
+            self._finish(partial, final, doc, result, t0, getattr(writer, "written", None))
             _barrier()                           # no rank moves on (or exits) before the rename is done
             result.stall_s = time.perf_counter() - t0
             self.completed.append(result)
@@ -426,15 +494,17 @@ class Checkpointer:
             self._abandon(partial, result)
             return result
         try:
-            self._finish(partial, final, doc, result, t0)
+            self._finish(partial, final, doc, result, t0, getattr(writer, "written", None))
         except OSError as e:
             result.error = f"{partial}: sealing the checkpoint failed ({e})"
             self._abandon(partial, result)
         return result
 
-    def _finish(self, partial: Path, final: Path, doc: dict, result: SaveResult, t0: float) -> None:
-        """Rank 0: trainer.json, checksums of every file (from the writers' sidecars, or read back), the marker, the rename, ``latest``,
-        retention. Other ranks: nothing."""
+    def _finish(self, partial: Path, final: Path, doc: dict, result: SaveResult, t0: float,
+                written: list[str] | None = None) -> None:
+        """Rank 0: trainer.json, checksums of every file (from the writers' sidecars, or read back), the marker, the
+        rename, ``latest``, retention. Other ranks: nothing. ``written``: every rank's files, from their write
+        results; one the directory listing lacks (a stale listing on a shared file system) stops the seal."""
         if not _is_rank0():
             result.write_s = time.perf_counter() - t0
             return
@@ -450,6 +520,10 @@ class Checkpointer:
             else:
                 n, digest = file_digest(f, sync=True)
             files[f.name] = {"bytes": n, "crc32": digest}
+        missing = sorted(set(written or ()) - set(files))
+        if missing:
+            raise OSError(f"{', '.join(missing)} written by a rank but not in the directory listing of {partial} "
+                          "(a stale listing of a shared file system?); not sealed")
         for side in partial.glob("*.crc32"):
             side.unlink()
         faults.before_marker(doc["step"])

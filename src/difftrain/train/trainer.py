@@ -33,8 +33,8 @@ from difftrain.models import build_autoencoder, build_dit, build_text_encoder, d
 from difftrain.parallel import parallelize
 from difftrain.parallel.compile import compile_count, use_compile_cache
 from difftrain.parallel.cp import cp_disabled
-from difftrain.parallel.dist import ParallelEnv, all_reduce_sum, all_reduce_sum_on_device, batch_split, broadcast_int, init_distributed, \
-    set_collective_timeout
+from difftrain.parallel.dist import ParallelEnv, all_reduce_sum, all_reduce_sum_on_device, batch_split, \
+    init_distributed, set_collective_timeout
 from difftrain.parallel.flops import mfu, peak_flops
 from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
 from difftrain.train import faults
@@ -238,14 +238,16 @@ class Trainer:
 
     # --- state ------------------------------------------------------------------------------------
     def _find_checkpoint(self) -> Path | None:
-        """The newest complete, verified checkpoint, chosen by rank 0 (which also sets damaged ones aside)
-        and broadcast, so that every rank resumes from the same one."""
-        step = -1
-        if self.env.is_main:
-            newest = self.checkpointer.latest()
-            step = int(newest.name.split("_")[1]) if newest is not None else -1
-        step = broadcast_int(step, self.device)
-        return None if step < 0 else self.checkpointer.dir / f"step_{step:08d}"
+        """The newest complete, verified checkpoint, the same on every rank: rank 0's list of candidates, each
+        rank checksumming its share of a candidate's files, the verdicts gathered (``Checkpointer.latest``)."""
+        newest = self.checkpointer.latest()
+        done = self.checkpointer.last_verify
+        if newest is not None and done and self.env.is_main:
+            biggest = max(done["bytes_by_rank"])
+            self.metrics.event("verify", int(newest.name.split("_")[1]), seconds=done["seconds"],
+                               total_bytes=done["total_bytes"], bytes_by_rank=done["bytes_by_rank"],
+                               max_rank_over_total=round(biggest / max(1, done["total_bytes"]), 4))
+        return newest
 
     def _resume(self, path: Path) -> None:
         info = Checkpointer.load(path, self.model, self.optimizer, self.ema)
