@@ -389,6 +389,13 @@ def test_pytorchjob_launch(job):
     vol = next(v for v in pod["volumes"] if v["name"] == mounts[str(mount)])
     assert "persistentVolumeClaim" in vol
 
+    # Preemption: the run is told the lead it has (the grace period), and torchrun gives its workers a little
+    # less than that before it kills them; both above torchrun's default of 30 s.
+    grace = int(pod["terminationGracePeriodSeconds"])
+    assert got.overrides["health.preempt_lead_s"] == grace
+    assert 30 < got.torchrun.shutdown_timeout < grace
+    assert got.overrides["health.preempt_exit_code"] != 0      # a pod that exits 0 counts as done
+
 
 def test_pytorchjob_typo_is_caught(job):
     """The Kubernetes path can fail: a misspelled difftrain flag in the container command."""
