@@ -144,8 +144,8 @@ def slow_vae(tmp_path_factory):
 
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(64, 128),
-                                  layers_per_block=2, latent_channels=4, norm_num_groups=32).eval()
+                                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(128, 256),
+                                  layers_per_block=3, latent_channels=4, norm_num_groups=32).eval()
     path = tmp_path_factory.mktemp("slow-vae") / "vae"
     vae.save_pretrained(path)
     return str(path)
