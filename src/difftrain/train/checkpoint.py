@@ -390,9 +390,9 @@ class Checkpointer:
             if files is not None:
                 mine = set(verify_shares(files, world)[rank])
             own = verify(p, checksums, mine)
-            problems = _gather_objects(own)
-            done = {"seconds": round(time.perf_counter() - t0, 3),
-                    "bytes_by_rank": _gather_objects(sum(int(files[n]["bytes"]) for n in mine) if mine else 0),
+            verdicts = _gather_objects((own, sum(int(files[n]["bytes"]) for n in mine) if mine else 0))
+            problems = [problem for problem, _ in verdicts]
+            done = {"seconds": round(time.perf_counter() - t0, 3), "bytes_by_rank": [n for _, n in verdicts],
                     "total_bytes": sum(int(f["bytes"]) for f in files.values()) if files else 0}
             if all(x is None for x in problems):
                 self.last_verify = done
