@@ -380,6 +380,8 @@ def test_pytorchjob_launch(job):
     # The NCCL flight recorder dumps into the run directory.
     env = pod_env(job, container)
     assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith(got.train.run_dir + "/")
+    # A replacement pod can rejoin a later rendezvous round (tests/test_node_loss.py runs the agents so).
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
     # The run directory sits on a volume every pod mounts, backed by a shared claim.
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
