@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,16 +43,24 @@ TINY = ["model.hidden=32", "model.heads=2", "model.double_blocks=1", "model.sing
         "data.frames=3", "data.world_size=64", "train.global_batch=8", "train.minutes=0", "train.warmup_steps=1",
         "train.log_every=1", "train.lr=1e-3", "sample.steps=3", "eval.n=4", "train.ema_decay=0.9",
         "train.threads=1", "train.schedule=constant", "health.hang_seconds=10", "health.straggler_every=0"]
-ALL = ("kill", "killsave", "corrupt", "enospc", "nan", "hang", "sigterm")
+ALL = ("kill", "killsave", "corrupt", "truncate", "enospc", "enospc_partial", "nan", "hang", "sigterm",
+       "agent_sigterm", "anytime", "nodekill", "nodestop")
+DWELL_S = 0.05       # 'anytime': every phase lasts at least this long, so a poll of the board can land in it
 
 
-def torchrun(cfg: Path, run: Path, faults: str, samples: Path, restarts: int = 3) -> tuple[int, float, str]:
+def torchrun(cfg: Path, run: Path, faults: str, samples: Path, restarts: int = 3, env: dict | None = None,
+             during=None) -> tuple[int, float, str]:
+    """One job under torchrun (2 ranks); ``during(proc)``, if given, runs in a thread while it does (a harness
+    acting on the job from outside: signals to the agent, kills at random moments)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            f"--max-restarts={restarts}", "-m", "difftrain", "train", str(cfg), "--run-dir", str(run), "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_FAULTS": faults, "DIFFTRAIN_SAMPLE_LOG": str(samples)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_FAULTS": faults, "DIFFTRAIN_SAMPLE_LOG": str(samples),
+           **(env or {})}
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)       # a timeout kills the workers too
+    if during is not None:
+        threading.Thread(target=during, args=(proc,), daemon=True).start()
     try:
         _, err = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
@@ -123,6 +132,150 @@ def analyse(kind: str, run: Path, samples: Path, wall: float, rc: int, ref: dict
             "checkpoint_skipped": [e["step"] for e in events if e["kind"] == "checkpoint_skipped"]}
 
 
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def anytime_killer(board: Path, rng: random.Random, kills: list[dict], max_kills: int = 8):
+    """``during`` for the 'anytime' fault: SIGKILL a rank at random wall-clock moments (a uniform wait of 0.3-2 s
+    after the job last came back), each recording the phases the rank was in (``difftrain.train.phases``), until
+    every phase was hit or ``max_kills``. A kill aimed at a phase not yet hit waits, after its random wait, for a
+    rank to be in it (polled every 2 ms; phases last at least DWELL_S)."""
+    from difftrain.train.phases import PHASES, read
+
+    def run(proc: subprocess.Popen) -> None:
+        todo = list(PHASES)
+        while proc.poll() is None and todo and len(kills) < max_kills:
+            time.sleep(rng.uniform(0.3, 2.0))
+            target, deadline = todo[0], time.time() + 30
+            while proc.poll() is None and time.time() < deadline:
+                hit = None
+                for r in rng.sample([0, 1], 2):
+                    got = read(f"{board}.rank{r}")
+                    if got and target in got[1] and alive(got[0]):
+                        hit = (r, *got)
+                        break
+                if hit is None:
+                    time.sleep(0.002)
+                    continue
+                r, pid, active = hit
+                t = time.time()
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                kills.append({"time": t, "rank": r, "phases": active, "aimed": target})
+                todo = [p for p in todo if p not in active]
+                # the next kill waits for the restarted job: a new worker's board shows a live pid again
+                while proc.poll() is None and alive(pid):
+                    time.sleep(0.01)
+                back = time.time() + 120
+                while proc.poll() is None and time.time() < back:
+                    now = [read(f"{board}.rank{q}") for q in (0, 1)]
+                    if all(x and x[0] != pid and alive(x[0]) for x in now):
+                        break
+                    time.sleep(0.05)
+                break
+            else:
+                todo.append(todo.pop(0))       # not met in 30 s: aim at the next one first
+    return run
+
+
+def agent_signaller(samples: Path, sent: list[float], after_steps: int):
+    """``during`` for 'agent_sigterm': SIGTERM to the torchrun agent itself, as SLURM's --signal and a pod's
+    termination deliver it, once rank 0 has logged ``after_steps`` steps."""
+    def run(proc: subprocess.Popen) -> None:
+        log = Path(f"{samples}.rank0")
+        while proc.poll() is None:
+            if log.is_file() and len(log.read_text().splitlines()) >= after_steps:
+                sent.append(time.time())
+                proc.send_signal(signal.SIGTERM)
+                return
+            time.sleep(0.02)
+    return run
+
+
+def recovery_after(run: Path, t: float) -> float | None:
+    """Seconds from ``t`` to the first step finished by a start of the job after ``t``."""
+    starts = [e["time"] for e in read_events(run) if e["kind"] == "start" and e["time"] > t]
+    if not starts:
+        return None
+    rows = [m["time"] for m in read_metrics(run) if "loss" in m and m.get("time", 0) > starts[0]]
+    return round(rows[0] - t, 2) if rows else None
+
+
+def node_loss_rows(root: Path, kinds: list[str], seed: int) -> list[dict]:
+    """The two node losses (``bench/node_loss.py``): two torchrun agents, one node SIGKILLed (it comes back
+    later) or SIGSTOPped; against an uninterrupted run of the same config."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("node_loss", Path(__file__).with_name("node_loss.py"))
+    nl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nl)
+    ref = nl.reference(root / "node-reference")
+    rows = []
+    for kind in kinds:
+        mode = "kill" if kind == "nodekill" else "stop"
+        t0 = time.time()
+        try:
+            r = nl.scenario(root / kind, mode, rejoin=(mode == "kill"), slow_s=0.5)
+        except RuntimeError as e:
+            rows.append({"kind": kind, "spec": mode, "recovered": False, "recovery_seconds": None, "steps_lost": None,
+                         "final_state_identical": False, "stream_identical": False, "restarts": None,
+                         "wall_seconds": round(time.time() - t0, 2), "stderr_tail": str(e)[-800:]})
+            continue
+        cmp = nl.compare(ref, Path(r["run"]), root / kind / "samples")
+        rows.append({
+            "kind": kind, "spec": f"{mode} one of two nodes after step {r['lost_after_step']}"
+                                  + ("; it comes back" if r.get("rejoin") else ""),
+            "recovered": r["finished"], "recovery_seconds": round(r["detect_s"] + r["rendezvous_s"] + r["resume_s"], 2),
+            "detect_s": r["detect_s"], "rendezvous_s": r["rendezvous_s"], "resume_s": r["resume_s"],
+            "rejoin_s": r.get("rejoin_s"), "worlds": r["worlds"], "steps_lost": 0,
+            # the world size changes, so the gradient sums add in another order: equal to float rounding
+            "final_state_identical": None, "final_state_max_abs_diff": cmp["final_state_max_abs_diff"],
+            "final_state_within_1e-6": cmp["final_state_max_abs_diff"] is not None
+                                       and cmp["final_state_max_abs_diff"] <= 1e-6,
+            "stream_identical": cmp["stream_identical"], "restarts": len(r["worlds"]) - 1,
+            "wall_seconds": round(time.time() - t0, 2), "counted_step_seconds": 0.0, "checkpoint_stall_s": []})
+    return rows
+
+
+def project_24b(write_gbps: float, staging_gbps: float, read_gbps: float, restart_overhead_s: float,
+                gpus: int = 64) -> dict:
+    """Goodput of the dit-24b preset on ``gpus`` H200s under the interruption rate Llama 3 reported (466 in 54
+    days on 16,384 GPUs, scaled to the job's GPU count). Checkpoint bytes from the model's parameter count
+    (fp32 weights, AdamW's two fp32 moments, fp32 EMA: 16 bytes a parameter); the async save stalls training for
+    its device-to-host copy of each GPU's shard; the interval is Young's optimum sqrt(2 x stall x MTBI), at least
+    one write; an interruption costs the restart overhead, the load and, on average, half an interval plus the
+    save in flight."""
+    import math
+    from difftrain.config import load_config, preset_path
+    from difftrain.models import config_dit_params
+    from difftrain.parallel.memory import inventory
+
+    cfg = load_config(preset_path("dit-24b"), [])
+    params = inventory(config_dit_params(cfg), cfg).numel      # the planner's count (the trained parameters)
+    ckpt = params * 16
+    rate_gpu_h = 466 / (54 * 24 * 16384)
+    mtbi_s = 3600 / (rate_gpu_h * gpus)
+    stall_s = ckpt / gpus / (staging_gbps * 1e9)
+    write_s = ckpt / (write_gbps * 1e9)
+    load_s = ckpt / (read_gbps * 1e9)
+    interval_s = max(write_s, math.sqrt(2 * stall_s * mtbi_s))
+    per_failure_s = restart_overhead_s + load_s + interval_s / 2 + write_s
+    goodput = (1 - stall_s / interval_s) * (1 - per_failure_s / mtbi_s)
+    return {"goodput": round(goodput, 4), "assumptions": {
+        "model": "dit-24b", "dit_params": params, "gpus": gpus, "checkpoint_bytes": ckpt,
+        "checkpoint_bytes_per_param": "16 (fp32 weights 4, AdamW moments 8, EMA 4)",
+        "interruptions": "466 in 54 days on 16,384 GPUs (Llama 3), scaled linearly to the GPU count",
+        "mtbi_hours": round(mtbi_s / 3600, 1), "write_gbps": write_gbps, "read_gbps": read_gbps,
+        "staging_gbps_per_gpu": staging_gbps, "restart_overhead_s": restart_overhead_s,
+        "stall_per_checkpoint_s": round(stall_s, 2), "write_s": round(write_s, 1), "load_s": round(load_s, 1),
+        "checkpoint_interval_s": round(interval_s, 1), "cost_per_interruption_s": round(per_failure_s, 1)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -132,6 +285,13 @@ def main() -> None:
     ap.add_argument("--step-seconds", type=float, default=0.0,
                     help="step time the goodput is projected for (default: the reference run's measured mean)")
     ap.add_argument("--keep", default=None, help="keep the run directories here")
+    ap.add_argument("--write-gbps", type=float, default=20.0,
+                    help="projection: the shared file system's write bandwidth for one job, GB/s")
+    ap.add_argument("--read-gbps", type=float, default=40.0, help="projection: its read bandwidth, GB/s")
+    ap.add_argument("--staging-gbps", type=float, default=20.0,
+                    help="projection: device-to-host copy bandwidth of one GPU (the async save's stall), GB/s")
+    ap.add_argument("--restart-overhead-s", type=float, default=180.0,
+                    help="projection: detection, rendezvous, process start and compilation after a failure, s")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     kinds = [k for k in args.faults.split(",") if k]
@@ -155,16 +315,30 @@ def main() -> None:
 
     ref = reference("reference")
     out = []
-    for kind in kinds:
+    node_kinds = [k for k in kinds if k in ("nodekill", "nodestop")]
+    for kind in [k for k in kinds if k not in node_kinds]:
         run, samples = root / kind, root / f"{kind}.samples"
         step = rng.randint(args.every + 2, args.steps - args.every)
         rank = rng.randint(0, 1)
-        spec = {"kill": f"kill@{step}:{rank}", "killsave": f"killsave@{(step // args.every) * args.every}:0",
-                "corrupt": f"corrupt@{max(2 * args.every, (step // args.every) * args.every) + 2}:0", "enospc": f"enospc@{(step // args.every) * args.every}:{rank}",
-                "nan": f"nan@{step}:{rank}", "hang": f"hang@{step}:{rank}", "sigterm": f"sigterm@{step}:{rank}"}[kind]
-        rc, wall, err = torchrun(cfg, run, spec, samples)
-        if kind == "sigterm" and rc == 0 and (run / "requeue.json").is_file():
-            requeue_at = time.time()         # the launcher's part: the marker says requeue
+        saved = (step // args.every) * args.every
+        spec = {"kill": f"kill@{step}:{rank}", "killsave": f"killsave@{saved}:0",
+                "corrupt": f"corrupt@{max(2 * args.every, saved) + 2}:0",
+                "truncate": f"truncate@{max(2 * args.every, saved) + 2}:0",
+                "enospc": f"enospc@{saved}:{rank}", "enospc_partial": f"enospc_partial@{saved}:{rank}",
+                "nan": f"nan@{step}:{rank}", "hang": f"hang@{step}:{rank}", "sigterm": f"sigterm@{step}:{rank}",
+                "agent_sigterm": "", "anytime": ""}[kind]
+        env, during, kills, sent, restarts = None, None, [], [], 3
+        if kind == "anytime":
+            board = root / "anytime.board"
+            env = {"DIFFTRAIN_PHASE_BOARD": str(board), "DIFFTRAIN_PHASE_DWELL_S": str(DWELL_S)}
+            during, restarts = anytime_killer(board, rng, kills), 10
+        if kind == "agent_sigterm":
+            during = agent_signaller(samples, sent, step)
+        rc, wall, err = torchrun(cfg, run, spec, samples, restarts, env, during)
+        requeue_at = None
+        if kind in ("sigterm", "agent_sigterm") and (run / "requeue.json").is_file():
+            requeue_at = time.time()         # the launcher's part: the marker says requeue, whatever rc says
+            first_rc = rc
             rc, wall2, err = torchrun(cfg, run, spec, samples)
             wall += wall2
         want = ref
@@ -172,41 +346,61 @@ def main() -> None:
             skipped = [e["step"] for e in read_events(run) if e["kind"] == "skip"]
             want = reference("nan-reference", skipped)
         row = analyse(kind, run, samples, wall, rc, want, args.steps)
-        if kind == "sigterm":    # a planned stop: the "recovery" is the requeued job's start to its first step
-            ev = [e for e in read_events(run) if e["kind"] == "start"]
-            rows = [m for m in read_metrics(run) if "loss" in m and ev and m.get("time", 0) > ev[-1]["time"]]
-            row["recovery_seconds"] = round(rows[0]["time"] - requeue_at, 2) if rows and rc == 0 else None
+        if kind in ("sigterm", "agent_sigterm"):    # a planned stop: the requeued job's start to its first step
+            row["recovery_seconds"] = recovery_after(run, requeue_at) if requeue_at and rc == 0 else None
             row["steps_lost"] = 0
-        if kind in ("enospc", "nan"):
+            if kind == "agent_sigterm":
+                row["agent_exit_code"] = first_rc if requeue_at else None
+                row["signalled_after_step"] = step
+        if kind == "anytime":
+            for k in kills:
+                k["recovery_seconds"] = recovery_after(run, k["time"])
+            row["kills"] = [{key: k[key] for key in ("rank", "phases", "aimed", "recovery_seconds")} for k in kills]
+            row["phases_hit"] = sorted({p for k in kills for p in k["phases"]})
+            rec = [k["recovery_seconds"] for k in kills]
+            row["recovery_seconds"] = max(rec) if rec and None not in rec else None
+            row["restarts"] = len(kills)
+        if kind in ("enospc", "enospc_partial", "nan"):
             row["recovery_seconds"] = 0.0
-        row["spec"] = spec
+        row["spec"] = spec or {"agent_sigterm": f"SIGTERM to the torchrun agent after step {step}",
+                               "anytime": "SIGKILL of a rank at random moments, until every phase was hit"}[kind]
         if rc != 0:
             row["stderr_tail"] = err[-800:]
         out.append(row)
         print(json.dumps({k: row[k] for k in ("kind", "spec", "recovered", "recovery_seconds", "steps_lost",
                                                  "final_state_identical")}), file=sys.stderr, flush=True)
+    out += node_loss_rows(root, node_kinds, args.seed)
 
     counted = sum(r["counted_step_seconds"] for r in out)
     wall = sum(r["wall_seconds"] for r in out)
-    restarts = [r for r in out if r["kind"] in ("kill", "killsave", "corrupt", "hang") and r["recovery_seconds"]]
+    restarts = [r for r in out if r["kind"] in ("kill", "killsave", "corrupt", "truncate", "hang", "anytime")
+                and r["recovery_seconds"]]
     rec = sum(r["recovery_seconds"] for r in restarts) / max(1, len(restarts))
-    stalls = [s for r in out for s in r["checkpoint_stall_s"] if s is not None]
+    stalls = [s for r in out for s in r.get("checkpoint_stall_s", []) if s is not None]
     stall = sum(stalls) / max(1, len(stalls))
     step_seconds = args.step_seconds or ref["step_s"]
     interval_s = args.every * step_seconds
     lost_s = interval_s / 2
     projected = 1 - (rec + lost_s) / 3600 - stall / interval_s
+    single = [r["recovery_seconds"] for r in out if r["kind"] not in ("nodekill", "nodestop")]
+    keys = ("kind", "spec", "recovered", "recovery_seconds", "steps_lost", "final_state_identical", "stream_identical",
+            "restarts", "wall_seconds", "kills", "phases_hit", "agent_exit_code", "detect_s", "rendezvous_s",
+            "resume_s", "rejoin_s", "worlds", "final_state_max_abs_diff", "final_state_within_1e-6", "stderr_tail")
     print(json.dumps({
-        "faults": [{k: r[k] for k in ("kind", "spec", "recovered", "recovery_seconds", "steps_lost",
-                                       "final_state_identical", "stream_identical", "restarts", "wall_seconds",
-                                       *(("stderr_tail",) if "stderr_tail" in r else ()))} for r in out],
+        "faults": [{k: r[k] for k in keys if k in r} for r in out],
+        "fault_kinds": len(out),
+        "phases_hit": sorted({p for r in out for p in r.get("phases_hit", [])}),
+        "max_recovery_seconds": max(single) if single and None not in single else None,
         "goodput": round(counted / wall, 4) if wall else None,
         "goodput_at_1_fault_per_hour": round(projected, 4),
         "projection": {"mean_recovery_s": round(rec, 2), "checkpoint_interval_steps": args.every,
                        "step_seconds": round(step_seconds, 4), "lost_work_s": round(lost_s, 3), "mean_checkpoint_stall_s": round(stall, 4)},
+        "goodput_projected_24b_64gpu": project_24b(args.write_gbps, args.staging_gbps, args.read_gbps,
+                                                   args.restart_overhead_s),
         "reference_wall_seconds": round(ref["wall"], 2), "steps": args.steps, "world": 2,
         "all_recovered": all(r["recovered"] for r in out),
-        "all_identical": all(r["final_state_identical"] and r["stream_identical"] for r in out),
+        "all_identical": all((r["final_state_identical"] or r.get("final_state_within_1e-6")) and r["stream_identical"]
+                             for r in out),
     }, indent=None))
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)

@@ -150,15 +150,9 @@ class Job:
 def scenario(root: Path, mode: str, rejoin: bool, steps: int = 12, every: int = 4, slow_s: float = 1.0,
              extra: list[str] | None = None, timeout: float = 300) -> dict:
     """One run of two agents losing B (``mode`` 'kill' or 'stop') after the checkpoint of step ``every``."""
-    from difftrain.config import load_config, to_toml
-
     if mode not in ("kill", "stop"):
         raise ValueError(f"mode must be 'kill' or 'stop', got {mode!r}")
-    root.mkdir(parents=True, exist_ok=True)
-    cfg = root / "job.toml"
-    cfg.write_text(to_toml(load_config(None, TINY + TIMEOUTS + [
-        f"train.steps={steps}", f"train.checkpoint_every={every}", "train.keep_checkpoints=10"] + (extra or []))))
-    job = Job(root, cfg, slow_s=slow_s)
+    job = Job(root, job_config(root, steps, every, extra), slow_s=slow_s)
     out: dict = {"mode": mode, "rejoin": rejoin}
     try:
         a = job.start("A", host=True)
@@ -204,6 +198,54 @@ def scenario(root: Path, mode: str, rejoin: bool, steps: int = 12, every: int = 
         job.kill_all()
     out["run"] = str(job.run)
     return out
+
+
+def job_config(root: Path, steps: int = 12, every: int = 4, extra: list[str] | None = None) -> Path:
+    from difftrain.config import load_config, to_toml
+
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = root / "job.toml"
+    cfg.write_text(to_toml(load_config(None, TINY + TIMEOUTS + [
+        f"train.steps={steps}", f"train.checkpoint_every={every}", "train.keep_checkpoints=10"] + (extra or []))))
+    return cfg
+
+
+def batches(samples: Path) -> dict[int, list[int]]:
+    """step -> the sample ids drawn for it over every rank and attempt (sorted; a replayed step draws the same)."""
+    out: dict[int, set[int]] = {}
+    for f in sorted(samples.parent.glob(samples.name + ".rank*")):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(row["step"], set()).update(row["ids"])
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def reference(root: Path, steps: int = 12, every: int = 4) -> dict:
+    """The same job on two ranks of one agent, uninterrupted: its exported weights and its batches."""
+    from safetensors.torch import load_file
+
+    cfg = job_config(root, steps, every)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_SAMPLE_LOG": str(root / "samples")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "difftrain", "train", str(cfg), "--run-dir", str(root / "run"), "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the reference run failed:\n{proc.stderr[-3000:]}")
+    return {"weights": load_file(str(root / "run" / "export" / "model.safetensors")),
+            "batches": batches(root / "samples")}
+
+
+def compare(ref: dict, run: Path, samples: Path) -> dict:
+    """How a finished run's exported weights and batches compare with the reference's."""
+    from safetensors.torch import load_file
+
+    path = run / "export" / "model.safetensors"
+    if not path.is_file():
+        return {"final_state_max_abs_diff": None, "stream_identical": False}
+    w = load_file(str(path))
+    same_keys = w.keys() == ref["weights"].keys()
+    worst = max((w[k].float() - ref["weights"][k].float()).abs().max().item() for k in w) if same_keys else None
+    return {"final_state_max_abs_diff": worst, "stream_identical": batches(samples) == ref["batches"]}
 
 
 def main() -> None:

@@ -11,14 +11,9 @@ expected (measured: at most 6e-8 apart)."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -28,39 +23,16 @@ node_loss = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(node_loss)
 
 
-def _batches(samples: Path) -> dict[int, set[int]]:
-    """step -> the sample ids drawn for it over every rank and attempt (a replayed step must draw the same)."""
-    out: dict[int, set[int]] = {}
-    for f in sorted(samples.parent.glob(samples.name + ".rank*")):
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            out.setdefault(row["step"], set()).update(row["ids"])
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The same job on two ranks of one agent, uninterrupted."""
-    d = tmp_path_factory.mktemp("ref")
-    from difftrain.config import load_config, to_toml
-    cfg = d / "job.toml"
-    cfg.write_text(to_toml(load_config(None, node_loss.TINY + node_loss.TIMEOUTS + [
-        "train.steps=12", "train.checkpoint_every=4", "train.keep_checkpoints=10"])))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_SAMPLE_LOG": str(d / "samples")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "difftrain", "train", str(cfg), "--run-dir", str(d / "run"), "--no-progress"],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"weights": load_file(str(d / "run" / "export" / "model.safetensors")),
-            "batches": _batches(d / "samples")}
+    return node_loss.reference(tmp_path_factory.mktemp("ref"))
 
 
 def _check_against(reference, run: Path, samples: Path) -> None:
-    weights = load_file(str(run / "export" / "model.safetensors"))
-    assert weights.keys() == reference["weights"].keys()
-    worst = max((weights[k].float() - reference["weights"][k].float()).abs().max().item() for k in weights)
-    assert worst <= 1e-6, f"final weights differ by up to {worst}"
-    assert _batches(samples) == reference["batches"]
+    got = node_loss.compare(reference, run, samples)
+    assert got["stream_identical"], "the batches differ from the uninterrupted run's"
+    assert got["final_state_max_abs_diff"] is not None and got["final_state_max_abs_diff"] <= 1e-6, got
 
 
 def test_a_killed_node_the_survivor_continues_alone_then_takes_the_node_back(reference, tmp_path):

@@ -88,7 +88,7 @@ def reference(tmp_path_factory):
             "losses": {m["step"]: m["loss"] for m in read_metrics(d / "run") if "loss" in m}}
 
 
-@pytest.mark.parametrize("faults", ["kill@10:1", "killsave@8:0", "corrupt@10:0"])
+@pytest.mark.parametrize("faults", ["kill@10:1", "killsave@8:0", "corrupt@10:0", "truncate@10:0"])
 def test_torchrun_restart_after_kill_is_bit_identical(reference, tmp_path, faults):
     run = tmp_path / "run"
     proc = _torchrun(reference["cfg"], run, faults, restarts=2, sample_log=tmp_path / "samples")
@@ -100,10 +100,13 @@ def test_torchrun_restart_after_kill_is_bit_identical(reference, tmp_path, fault
     # (it fails when the peer dies, as it should); kill while sealing step 8: step 4; bytes flipped in step 8's
     # largest file (rank 0's share to checksum): step 8 is set aside by both ranks' verdict, step 4 resumed
     assert resumes[0]["step"] in ((4, 8) if faults.startswith("kill@") else (4,))
-    if faults.startswith("corrupt"):
+    if faults.startswith(("corrupt", "truncate")):
         skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
-        assert [e["step"] for e in skipped] == [8] and "rank 0:" in skipped[0]["reason"] and \
-            "fails its CRC-32 checksum" in skipped[0]["reason"], skipped
+        # a short file is caught by its size, which every rank checks; a flipped byte by the checksum of the
+        # rank whose share the file is
+        why = "fails its CRC-32 checksum" if faults.startswith("corrupt") else "bytes, its marker says"
+        assert [e["step"] for e in skipped] == [8] and why in skipped[0]["reason"], skipped
+        assert faults.startswith("truncate") or "rank 0:" in skipped[0]["reason"], skipped
         assert (run / "checkpoints" / "step_00000008.bad").is_dir()
     assert resumes[0]["restart_count"] == 1
     # the resumed checkpoint was checksummed by both ranks, each its share: together every byte once, neither
@@ -125,6 +128,22 @@ def test_torchrun_restart_after_kill_is_bit_identical(reference, tmp_path, fault
     assert sorted({s for _, s in stream}) == list(range(1, 13))
     losses = {m["step"]: m["loss"] for m in read_metrics(run) if "loss" in m}
     assert losses == reference["losses"]
+
+
+def test_a_disk_that_fills_part_way_through_a_shard_costs_one_checkpoint(reference, tmp_path):
+    """ENOSPC after rank 1 wrote half of its shard of step 8's checkpoint: the save fails on every rank, the
+    partial directory goes, training goes on, the next checkpoint is complete, the run ends as an uninterrupted
+    one does."""
+    run = tmp_path / "run"
+    proc = _torchrun(reference["cfg"], run, "enospc_partial@8:1", sample_log=tmp_path / "samples")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = read_events(run)
+    failed = [e for e in events if e["kind"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [8] and "No space left on device" in failed[0]["reason"], failed
+    assert not [e for e in events if e["kind"] == "resume"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000012"]
+    assert _final_files(run) == reference["files"]
+    assert _stream(tmp_path / "samples") == reference["stream"]
 
 
 def test_sigterm_preemption_stops_all_ranks_at_one_step_and_requeues(reference, tmp_path):

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from difftrain.errors import UserError
-from difftrain.train import faults
+from difftrain.train import faults, phases
 
 log = logging.getLogger("difftrain.checkpoint")
 
@@ -436,7 +436,8 @@ class Checkpointer:
         result = SaveResult(step, final, 0.0, started)
         if blocking:
             try:
-                _quiet(dcp.save, tensors, storage_writer=writer)
+                with phases.phase("write"):
+                    _quiet(dcp.save, tensors, storage_writer=writer)
                 ok = True
             except (Exception, CheckpointException) as e:
                 ok, result.error = False, _describe(e)
@@ -483,11 +484,13 @@ class Checkpointer:
         results, so on rank 0 it returns after all ranks wrote), then seal and rename on rank 0."""
         try:
             try:
-                copy = self._stager().stage(tensors)
+                with phases.phase("staging"):
+                    copy = self._stager().stage(tensors)
             finally:
                 staged.set()
             del tensors
-            _quiet(dcp.save, copy, storage_writer=writer, process_group=self._pg, no_dist=not _distributed())
+            with phases.phase("write"):
+                _quiet(dcp.save, copy, storage_writer=writer, process_group=self._pg, no_dist=not _distributed())
         except (Exception, CheckpointException) as e:
             staged.set()
             result.error = _describe(e)
@@ -508,6 +511,11 @@ class Checkpointer:
         if not _is_rank0():
             result.write_s = time.perf_counter() - t0
             return
+        with phases.phase("seal"):
+            self._seal(partial, final, doc, result, t0, written)
+
+    def _seal(self, partial: Path, final: Path, doc: dict, result: SaveResult, t0: float,
+              written: list[str] | None) -> None:
         (partial / "trainer.json").write_text(json.dumps(doc, indent=1, default=_json_default))
         files = {}
         for f in sorted(partial.iterdir()):

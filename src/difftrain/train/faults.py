@@ -13,7 +13,10 @@ in the metrics. Kinds:
 - ``pause``: the rank sleeps ``DIFFTRAIN_SLOW_S`` seconds once, before step STEP (a long compilation);
 - ``sigterm``: the rank sends itself SIGTERM before step STEP runs (a preemption notice);
 - ``corrupt``: before step STEP, the rank flips bytes in the newest complete checkpoint's largest file, then
-  SIGKILLs itself (the restart must detect the damage and resume from the previous checkpoint).
+  SIGKILLs itself (the restart must detect the damage and resume from the previous checkpoint);
+- ``truncate``: the same with that file cut to half its length (a shard a full disk or a lost write left short);
+- ``enospc_partial``: the checkpoint of STEP writes the rank's first shard file, cuts it to half its length and
+  fails with ENOSPC (a disk that filled up part way through a shard).
 
 ``DIFFTRAIN_SAMPLE_LOG=PATH`` makes every rank append, per step, the sample ids of its batches to
 ``PATH.rank<R>`` (JSON lines), so that a harness can check the sample stream for repeats and gaps.
@@ -32,7 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("kill", "killsave", "enospc", "erofs", "nan", "hang", "slow", "pause", "sigterm", "corrupt")
+KINDS = ("kill", "killsave", "enospc", "erofs", "nan", "hang", "slow", "pause", "sigterm", "corrupt", "truncate",
+         "enospc_partial")
 
 
 @dataclass(frozen=True)
@@ -94,20 +98,25 @@ def at_step(step: int, wait=None) -> None:
     checkpoint in flight)."""
     if not _state["faults"]:
         return
-    if (f := _armed("corrupt", step)) is not None:
-        if wait is not None:
-            wait()
-        ckpts = _state["dir"].parent / "checkpoints"
-        done = sorted(p for p in ckpts.glob("step_*") if (p / "COMPLETE.json").is_file())
-        if done:
-            target = max(done[-1].glob("*.safetensors"), key=lambda p: p.stat().st_size)
-            with target.open("r+b") as fh:
-                fh.seek(target.stat().st_size // 2)
-                chunk = bytearray(fh.read(64))
-                fh.seek(target.stat().st_size // 2)
-                fh.write(bytes(b ^ 0xFF for b in chunk))
-        _fire(f)
-        os.kill(os.getpid(), signal.SIGKILL)
+    for kind in ("corrupt", "truncate"):
+        if (f := _armed(kind, step)) is not None:
+            if wait is not None:
+                wait()
+            ckpts = _state["dir"].parent / "checkpoints"
+            done = sorted(p for p in ckpts.glob("step_*") if (p / "COMPLETE.json").is_file())
+            if done:
+                target = max(done[-1].glob("*.safetensors"), key=lambda p: p.stat().st_size)
+                size = target.stat().st_size
+                with target.open("r+b") as fh:
+                    if kind == "truncate":
+                        fh.truncate(size // 2)
+                    else:
+                        fh.seek(size // 2)
+                        chunk = bytearray(fh.read(64))
+                        fh.seek(size // 2)
+                        fh.write(bytes(b ^ 0xFF for b in chunk))
+            _fire(f)
+            os.kill(os.getpid(), signal.SIGKILL)
     if (f := _armed("kill", step)) is not None:
         _fire(f)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -162,4 +171,17 @@ def storage_writer(cls, path: str, step: int | None = None, **kwargs):
                 def write_data(self, plan, planner):
                     raise OSError(code, os.strerror(code), path)
             return Failing(path, **kwargs)
+    if _state["faults"] and step is not None and (f := _armed("enospc_partial", step)) is not None:
+        _fire(f)
+
+        class PartlyWritten(cls):
+            def write_data(self, plan, planner):
+                fut = super().write_data(plan, planner)
+                results = fut.wait()
+                if results:
+                    first = Path(self.path) / results[0].storage_data.relative_path
+                    with first.open("r+b") as fh:
+                        fh.truncate(first.stat().st_size // 2)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return PartlyWritten(path, **kwargs)
     return cls(path, **kwargs)

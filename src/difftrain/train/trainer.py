@@ -37,7 +37,7 @@ from difftrain.parallel.dist import ParallelEnv, all_reduce_sum, all_reduce_sum_
     init_distributed, set_collective_timeout
 from difftrain.parallel.flops import mfu, peak_flops
 from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
-from difftrain.train import faults
+from difftrain.train import faults, phases
 from difftrain.train.budget import TimeBudget
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.ema import EMA
@@ -161,6 +161,7 @@ class Trainer:
     # --- construction -----------------------------------------------------------------------------
     def _start_logs(self) -> None:
         faults.configure(self.run_dir, self.env.rank)
+        phases.configure(self.env.rank)
         self.run_id = run_id()
         self.log_handler = JsonLogHandler(self.run_dir / "logs" / f"rank_{self.env.rank}.jsonl", self.run_id,
                                           self.env.rank)
@@ -305,15 +306,18 @@ class Trainer:
         poison = faults.nan_at(self.step + 1)
         for i, batch in enumerate(batches):
             set_gradient_sync(self.fsdp_units, i == len(batches) - 1, self.cfg.parallel.grad_sync)
-            micro = self.objective.loss(self.denoiser, batch, self.cfg.run.seed, self.step, normalizer)
+            with phases.phase("forward"):
+                micro = self.objective.loss(self.denoiser, batch, self.cfg.run.seed, self.step, normalizer)
             loss = micro.loss * float("nan") if poison else micro.loss
-            loss.backward()
+            with phases.phase("backward"):
+                loss.backward()
             total += loss.detach()
             tokens, flops = tokens + micro.tokens, flops + micro.flops
-        all_reduce_grads(self.replicated)
-        # The optimizer's parameters are the sharded ones; a unit left gathered would name other tensors.
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        gnorm_t = clip_grad_norm(params, tc.grad_clip or float("inf"))
+        with phases.phase("backward"):
+            all_reduce_grads(self.replicated)
+            # The optimizer's parameters are the sharded ones; a unit left gathered would name other tensors.
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            gnorm_t = clip_grad_norm(params, tc.grad_clip or float("inf"))
         # The step's two host syncs. This one: the loss, the (global) gradient norm and the sample count come to
         # the host together once this rank's forward and backward are done (it times this rank's own work for
         # the straggler report, and the skip decision below needs the values before the optimizer step).
@@ -329,9 +333,10 @@ class Trainer:
         skipped = not math.isfinite(loss_sum) or not math.isfinite(gnorm)
         self.stall_s += self.checkpointer.wait_staged()     # a save's copy of the state is complete
         if not skipped:
-            self.optimizer.step()
-            if self.ema is not None:
-                self.ema.update()
+            with phases.phase("optimizer"):
+                self.optimizer.step()
+                if self.ema is not None:
+                    self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
         cp = self.env.cp
         return StepStats(loss_sum, gnorm, lr, int(tokens / cp), int(n_samples / cp), flops / cp, skipped, stop > 0,
