@@ -124,6 +124,27 @@ def main() -> None:
             restores.append(time.perf_counter() - t0)
         raw_s, restore_s = statistics.median(raws), statistics.median(restores)
 
+        # resume verification shared by N ranks: each checks every size and the CRC-32s of its share of the pieces
+        # (run here one share after another, page cache dropped before each; bench/verify_share.py runs it on
+        # real ranks under torchrun)
+        from difftrain.train.verification import PIECE, marker_files, share_bytes, verify, verify_shares
+        latest = Checkpointer(root / "async").latest(checksums=False)
+        marked = marker_files(latest)
+        total = sum(int(f["bytes"]) for f in marked.values())
+        largest = max(int(f["bytes"]) for f in marked.values())
+        shares_out = {}
+        for world in (1, 2):
+            shares = verify_shares(marked, world)
+            secs = []
+            for share in shares:
+                drop_cache(root)
+                t0 = time.perf_counter()
+                assert verify(latest, True, set(share)) is None
+                secs.append(round(time.perf_counter() - t0, 3))
+            shares_out[str(world)] = {
+                "verify_bytes_max_rank_over_total": round(max(share_bytes(marked, s) for s in shares) / total, 4),
+                "bound": round(1 / world + min(PIECE, largest) / total, 4), "verify_s_by_rank": secs}
+
     print(json.dumps({
         "state_bytes": state_bytes, "threads": torch.get_num_threads(),
         "step_s": round(t_base, 4), "sync_save_s": round(sync_s, 3),
@@ -133,6 +154,7 @@ def main() -> None:
         "raw_read_s": round(raw_s, 3), "raw_read_mb_s": round(n / raw_s / 1e6, 1), "restore_s": round(restore_s, 3),
         "restore_vs_raw_read_ratio": round(restore_s / raw_s, 3), "page_cache": page_cache,
         "raw_read_runs_s": [round(x, 3) for x in raws], "restore_runs_s": [round(x, 3) for x in restores],
+        "verify_shares": shares_out, "checkpoint_files": len(marked), "largest_file_share": round(largest / total, 4),
     }))
 
 

@@ -211,18 +211,59 @@ def test_sampling_loads_the_checkpoint_into_the_models_own_parameters(tiny_cfg, 
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
-def test_verify_shares_cover_every_file_once_within_a_fair_share_plus_the_largest(world):
+def test_verify_shares_cover_every_piece_once_within_a_fair_share_plus_one_piece(world):
+    """Pieces of 1 MB here: one 30 MB file (as a 24B model's largest shard is to its checkpoint) is shared out
+    like the rest, so no rank reads more than 1/N of the bytes plus one piece; a marker of an earlier format
+    (one CRC-32 a file) is shared by whole files."""
     import random
 
-    from difftrain.train.checkpoint import verify_shares
+    from difftrain.train.verification import units, verify_shares
 
     rng = random.Random(world)
-    files = {f"f{i}": {"bytes": rng.choice([10, 1000, 10**6, 3 * 10**6])} for i in range(23)}
+    mb = 10**6
+    files = {f"f{i}": {"bytes": n, "piece_bytes": mb, "pieces": ["0"] * -(-n // mb)}
+             for i, n in enumerate([30 * mb] + [rng.choice([10, 1000, mb // 2, 3 * mb]) for _ in range(22)])}
     shares = verify_shares(files, world)
-    assert len(shares) == world and sorted(n for s in shares for n in s) == sorted(files)
-    total, largest = sum(f["bytes"] for f in files.values()), max(f["bytes"] for f in files.values())
-    assert max(sum(files[n]["bytes"] for n in s) for s in shares) <= total / world + largest
+    sizes = dict(units(files))
+    assert len(shares) == world and sorted(u for s in shares for u in s) == sorted(sizes)      # each piece once
+    total = sum(f["bytes"] for f in files.values())
+    assert max(sum(sizes[u] for u in s) for s in shares) <= total / world + mb
     assert verify_shares(files, world) == shares                      # every rank computes the same
+    old = {name: {"bytes": f["bytes"], "crc32": "0"} for name, f in files.items()}
+    shares = verify_shares(old, world)
+    assert sorted(u for s in shares for u in s) == sorted((n, None) for n in old)
+    assert max(sum(old[n]["bytes"] for n, _ in s) for s in shares) <= total / world + 30 * mb
+
+
+def test_pieces_find_damage_where_it_is(tmp_path, monkeypatch):
+    """With pieces smaller than the shard, a flipped byte is reported in the piece that holds it, and a share
+    without that piece passes; the marker lists every piece's checksum, computed as the shard was written."""
+    from difftrain.train import verification
+    from difftrain.train.checkpoint import MARKER, verify
+
+    monkeypatch.setattr(verification, "PIECE", 256)
+    ck = Checkpointer(tmp_path)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _train(m, opt)
+    path = ck.save(1, m, opt, EMA(m, 0.9), {"loader": {}}, blocking=True).path
+    files = json.loads((path / MARKER).read_text())["files"]
+    target = max(files, key=lambda n: files[n]["bytes"])
+    assert files[target]["piece_bytes"] == 256 and len(files[target]["pieces"]) == -(-files[target]["bytes"] // 256)
+    assert files[target]["pieces"] == verification.file_digest(path / target, piece=256)["pieces"]
+    assert not list(path.glob("*.digest"))
+    at = files[target]["bytes"] - 10
+    with (path / target).open("r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+    k = at // 256
+    assert k > 0
+    assert verify(path, only={(target, k)}) == (f"{target} fails its CRC-32 checksum (piece {k}, bytes "
+                                                f"{k * 256}..{k * 256 + 256})")
+    assert verify(path, only={(target, 0)}) is None
+    assert verify(path) is not None
 
 
 def test_a_share_only_checksums_its_files_but_every_size_is_checked(tmp_path):
@@ -240,7 +281,7 @@ def test_a_share_only_checksums_its_files_but_every_size_is_checked(tmp_path):
         b = f.read(1)
         f.seek(files[target]["bytes"] // 2)
         f.write(bytes([b[0] ^ 0xFF]))
-    assert verify(path, only={target}) == f"{target} fails its CRC-32 checksum"
+    assert verify(path, only={target}).startswith(f"{target} fails its CRC-32 checksum")
     assert verify(path, only=set(files) - {target}) is None           # another rank's share: not its business
     (path / target).write_bytes(b"short")
     assert "bytes, its marker says" in verify(path, only=set())       # sizes are everyone's

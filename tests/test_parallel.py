@@ -179,8 +179,7 @@ def _reseal(ck):
     record its new size and checksum, as a save would have."""
     from difftrain.train.checkpoint import MARKER, file_digest
     marker = json.loads((ck / MARKER).read_text())
-    n, digest = file_digest(ck / "trainer.json")
-    marker["files"]["trainer.json"] = {"bytes": n, "crc32": digest}
+    marker["files"]["trainer.json"] = file_digest(ck / "trainer.json")
     (ck / MARKER).write_text(json.dumps(marker))
 
 

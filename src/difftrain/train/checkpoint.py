@@ -8,7 +8,8 @@ Layout of ``RUN/checkpoints/step_00000123/``:
   function of (seed, step, sample index), so nothing per-rank needs restoring.
 - ``trainer.json``: everything that is not a tensor: step, samples seen, loader and curriculum state,
   schedule state, optimizer hyper-parameters, the resolved config and the text encoder's vocabulary.
-- ``COMPLETE.json``, written last: the size and CRC-32 of every other file.
+- ``COMPLETE.json``, written last: the size and the CRC-32 of each 64 MiB piece of every other file
+  (``difftrain.train.verification``).
 
 A save writes into ``step_N.partial``; the marker is written when every rank's shards and trainer.json
 are on disk (and fsynced); then the directory is renamed to ``step_N`` and ``latest`` is replaced
@@ -35,10 +36,9 @@ import shutil
 import threading
 import time
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -51,11 +51,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from difftrain.errors import UserError
 from difftrain.train import faults, phases
+from difftrain.train.verification import (CHUNK as _CHUNK, MARKER, Digest, file_digest, marker_files as _marker_files,
+                                          read_sidecar, share_bytes, verify, verify_shares, write_sidecar)
 
 log = logging.getLogger("difftrain.checkpoint")
 
 FORMAT = "difftrain-checkpoint/2"
-MARKER = "COMPLETE.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 PARTIAL_DIR = re.compile(r"^step_(\d{8})\.partial$")
 
@@ -98,14 +99,6 @@ def _gather_objects(obj) -> list:
     return out
 
 
-def _marker_files(p: Path) -> dict | None:
-    try:
-        files = json.loads((p / MARKER).read_text())["files"]
-        return files if isinstance(files, dict) and files else None
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return None
-
-
 def _all_ok(ok: bool) -> bool:
     """True on every rank if it is true on every rank (a barrier that carries a verdict, so that a failure on
     one rank is an error on all of them, not a wait until the collective timeout)."""
@@ -125,23 +118,6 @@ def _split(prefix: str, sd: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str
 
 
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
-_CHUNK = 8 << 20
-
-
-def file_digest(path: Path, sync: bool = False) -> tuple[int, str]:
-    """(bytes, CRC-32 as 8 hex digits) of a file; with ``sync`` the file is also fsynced. CRC-32 catches the
-    damage a checkpoint meets (torn writes, flipped bits, truncation) at 2.3x the speed of SHA-256 here,
-    which both the seal of every save and the verification before every resume pay."""
-    crc, n = 0, 0
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            n += len(chunk)
-        if sync:
-            os.fsync(f.fileno())
-    return n, f"{crc:08x}"
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -155,54 +131,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def verify_shares(files: dict[str, dict], world: int) -> list[list[str]]:
-    """Which rank checksums which of a checkpoint's files: largest first, each to the rank with the fewest bytes
-    so far (ties: the lower rank). Every file goes to one rank, and no rank gets more than 1/world of the bytes
-    plus the largest file. A pure function of the marker, so every rank computes the same shares."""
-    shares: list[list[str]] = [[] for _ in range(world)]
-    load = [0] * world
-    for name in sorted(files, key=lambda n: (-int(files[n]["bytes"]), n)):
-        r = min(range(world), key=lambda i: (load[i], i))
-        shares[r].append(name)
-        load[r] += int(files[name]["bytes"])
-    return shares
-
-
-def verify(path: str | Path, checksums: bool = True, only: Collection[str] | None = None) -> str | None:
-    """None if the checkpoint directory is complete and every file matches its marker, else what is wrong.
-    Sizes are checked for every file the marker lists; CRC-32s for ``only`` those files when given (a rank's
-    share), else for all."""
-    p = Path(path)
-    marker = p / MARKER
-    if not marker.is_file():
-        return f"no {MARKER} (the save did not finish)"
-    try:
-        doc = json.loads(marker.read_text())
-        files = doc["files"]
-        assert isinstance(files, dict) and files
-    except (OSError, ValueError, KeyError, AssertionError, UnicodeDecodeError) as e:
-        return f"{MARKER} is unreadable ({type(e).__name__})"
-    for name, want in files.items():
-        f = p / name
-        if not f.is_file():
-            return f"{name} is missing"
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            return f"{name} has {size} bytes, its marker says {want['bytes']}"
-        if checksums and (only is None or name in only):
-            _, digest = file_digest(f)
-            if digest != want["crc32"]:
-                return f"{name} fails its CRC-32 checksum"
-    if "trainer.json" not in files:
-        return "trainer.json is not listed in the marker"
-    return None
-
-
 class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
     """DCP's safetensors writer, writing each file as a stream: the header, then every tensor's bytes straight
     from its memory (``safetensors.torch.save`` builds the whole file as one bytes object first, two extra
     copies made while holding the GIL, which an async save's training thread then waits on). The file is
-    checksummed as it is written; the size and CRC-32 go to ``NAME.crc32`` beside it, so that sealing the
+    checksummed in pieces as it is written; the size and CRC-32s go to ``NAME.digest`` beside it, so that sealing the
     checkpoint need not read the shards back. Same format, same headers: DCP's reader loads it."""
 
     written: list[str] | None = None
@@ -259,27 +192,25 @@ class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
         meta[key] = json.dumps(sharding)
         head = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)                  # the data starts 8-byte aligned
-        crc = 0
+        digest = Digest()
         out = []
         with path.open("wb") as f:
             for chunk in (struct.pack("<Q", len(head)), head):
                 f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+                digest.update(chunk)
             start = 8 + len(head)
             for wi, t, off, n in tensors:
                 if n:
                     view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                     for i in range(0, n, _CHUNK):       # crc32 and write release the GIL on large buffers
                         piece = view[i:i + _CHUNK]
-                        crc = zlib.crc32(piece, crc)
+                        digest.update(piece)
                         f.write(piece)
                 out.append(write_result(index=wi.index, size_in_bytes=n,
                                         storage_data=storage_info(name, start + off, n)))
             f.flush()
             os.fsync(f.fileno())
-        size = start + offset
-        side = path.with_name(path.name + ".crc32")
-        side.write_text(f"{size} {crc:08x}\n")
+        write_sidecar(path, digest.result())
         return out
 
 
@@ -379,7 +310,7 @@ class Checkpointer:
 
         Under torch.distributed every rank takes part: rank 0's list of step directories is everyone's (a stale
         directory listing on one node must not choose another checkpoint), each rank checks every file's size and
-        checksums its share of the files (``verify_shares``: at most 1/N of the bytes plus the largest file), and
+        checksums its share of the files' pieces (``verify_shares``: at most 1/N of the bytes plus one piece), and
         the verdicts are gathered, so the choice is the same on every rank. ``last_verify`` holds the bytes each
         rank checksummed, the total and the seconds."""
         candidates = _broadcast_object([p.name for p in self._step_dirs()] if _is_rank0() else None)
@@ -390,7 +321,7 @@ class Checkpointer:
             if files is not None:
                 mine = set(verify_shares(files, world)[rank])
             own = verify(p, checksums, mine)
-            verdicts = _gather_objects((own, sum(int(files[n]["bytes"]) for n in mine) if mine else 0))
+            verdicts = _gather_objects((own, share_bytes(files, mine) if mine else 0))
             problems = [problem for problem, _ in verdicts]
             done = {"seconds": round(time.perf_counter() - t0, 3), "bytes_by_rank": [n for _, n in verdicts],
                     "total_bytes": sum(int(f["bytes"]) for f in files.values()) if files else 0}
@@ -519,20 +450,15 @@ class Checkpointer:
         (partial / "trainer.json").write_text(json.dumps(doc, indent=1, default=_json_default))
         files = {}
         for f in sorted(partial.iterdir()):
-            if not f.is_file() or f.name == MARKER or f.name.endswith(".crc32"):
+            if not f.is_file() or f.name == MARKER or f.name.endswith(".digest"):
                 continue
-            side = f.with_name(f.name + ".crc32")
-            known = side.read_text().split() if side.is_file() else None
-            if known and int(known[0]) == f.stat().st_size:      # hashed (and fsynced) by the rank that wrote it
-                n, digest = int(known[0]), known[1]
-            else:
-                n, digest = file_digest(f, sync=True)
-            files[f.name] = {"bytes": n, "crc32": digest}
+            # checksummed (and fsynced) by the rank that wrote it, or read back here (trainer.json)
+            files[f.name] = read_sidecar(f) or file_digest(f, sync=True)
         missing = sorted(set(written or ()) - set(files))
         if missing:
             raise OSError(f"{', '.join(missing)} written by a rank but not in the directory listing of {partial} "
                           "(a stale listing of a shared file system?); not sealed")
-        for side in partial.glob("*.crc32"):
+        for side in partial.glob("*.digest"):
             side.unlink()
         faults.before_marker(doc["step"])
         tmp = partial / f"{MARKER}.tmp"
