@@ -134,3 +134,57 @@ def test_world_prompts_match_the_rendered_examples():
         assert WORLD.prompt("t2i", i) == WORLD.t2i(i)[1]
         assert WORLD.prompt("edit", i) == WORLD.edit(i)[2]
         assert WORLD.prompt("keyframes", i) == WORLD.keyframes(i)[1]
+
+
+def test_the_loader_follows_the_curriculum_rendering_each_bucket_as_the_export_lays_it_out():
+    """With data.stages, each step renders one bucket of the stage in force: scenes at the bucket's short side,
+    centred on its canvas as the exported world places them for the store; square buckets are the world's own
+    scenes. Resuming mid-run (across the stage switch) gives the same batches."""
+    from difftrain.config.stages import Bucket, Stage
+    from difftrain.shapes.export import widen
+
+    low = (Bucket(32, 32, 4, patch=8), Bucket(32, 64, 4, patch=8), Bucket(64, 32, 4, patch=8))
+    high = (Bucket(48, 48, 4, patch=8),)
+    stages = [Stage(0, "low", 0, low), Stage(1, "high", 6, high)]
+    ld = loader(stages=stages)
+    grids, seen_wide = [], False
+    for step in range(10):
+        b = one(ld)
+        grids.append(b.grid[1:])
+        if step >= 6:
+            assert b.grid[1:] == (12, 12)
+        else:
+            assert b.grid[1:] in {(8, 8), (8, 16), (16, 8)}
+        if b.task == "t2i" and b.grid[1:] == (8, 16):       # the 32-pixel scene centred on a 32 x 64 canvas
+            expect = torch.from_numpy(widen(WORLD.t2i(b.meta[0]["index"])[0], 64 / 32)).float() / 127.5 - 1
+            got = AE.decode(frames_of(b.x0_BLC, b.grid)[0, :1])[0].permute(1, 2, 0)
+            assert got.shape == (32, 64, 3) and torch.allclose(got, expect, atol=1e-5)
+            seen_wide = True
+    assert len(set(grids[:6])) >= 2 and seen_wide
+    a = loader(stages=stages)
+    for _ in range(4):
+        next(a)
+    b = loader(stages=stages)
+    b.load_state_dict(a.state_dict())
+    for _ in range(5):
+        assert _same(one(a), one(b))
+
+
+def test_the_shapes_source_refuses_stages_it_cannot_follow():
+    """The on-the-fly source takes train.global_batch and the task weights: a stage's other global batch, or a
+    mixture of store sources, is one clear error naming the stage, the bucket and what would work."""
+    from difftrain.config import load_config, preset_path
+    from difftrain.errors import UserError
+    from difftrain.sources import ConfiguredSource
+
+    fly = ['data.source="shapes"']
+    stages = ConfiguredSource(load_config(preset_path("shapes-store"), fly)).shapes_stages()
+    assert [s.name for s in stages] == ["low", "high"] and stages[1].buckets[1].name == "48x80"
+    assert ConfiguredSource(load_config(preset_path("shapes-tiny"), [])).shapes_stages() is None
+    one = 'data.stages=[{name = "low", start_step = 0, buckets = [[48, 48]], global_batch = 64}]'
+    with pytest.raises(UserError, match=r"'low'.*48x48: global_batch 64.*train.global_batch \(32\)"):
+        ConfiguredSource(load_config(preset_path("shapes-store"), fly + [one])).shapes_stages()
+    mix = ('data.stages=[{name = "low", start_step = 0, buckets = [[48, 48]], '
+           'mixture = {shapes_t2i = 1.0}}]')
+    with pytest.raises(UserError, match="mixture"):
+        ConfiguredSource(load_config(preset_path("shapes-store"), fly + [mix])).shapes_stages()

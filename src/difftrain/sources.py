@@ -82,7 +82,29 @@ class ConfiguredSource:
                             cfg.train.global_batch,
                             {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight},
                             d.world_size, d.caption_dropout, d.keyframe_cond_prob, cfg.run.seed,
-                            micro_batch=micro_batch, rank=rank, num_ranks=num_ranks)
+                            micro_batch=micro_batch, rank=rank, num_ranks=num_ranks, stages=self.shapes_stages())
+
+    def shapes_stages(self):
+        """The curriculum the on-the-fly shapes source follows (``data.stages``; None without one): each step
+        renders one bucket of the stage in force. It takes ``train.global_batch`` and ``train.micro_batch`` and
+        the task weights, so a stage's per-bucket global batch must equal the former and a source mixture (store
+        source names) has nothing to weigh."""
+        cfg = self.cfg
+        if not cfg.data.stages:
+            return None
+        from difftrain.config.stages import parse_stages
+        stages = parse_stages(cfg)
+        for st in stages:
+            if st.mixture:
+                raise UserError(f"data.stages ({st.name!r}).mixture weighs store sources; the shapes source "
+                                "(data.source = 'shapes') draws tasks by data.t2i_weight/edit_weight/keyframe_weight: "
+                                "remove the mixture or train from the store")
+            for b in st.buckets:
+                if b.global_batch != cfg.train.global_batch:
+                    raise UserError(f"data.stages ({st.name!r}), bucket {b.name}: global_batch {b.global_batch}; the "
+                                    f"shapes source trains every step at train.global_batch ({cfg.train.global_batch})"
+                                    ": set them equal")
+        return stages
 
 
 def vocabulary_for(cfg) -> list[str]:

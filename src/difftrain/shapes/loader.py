@@ -1,9 +1,12 @@
 """A deterministic, resumable loader over the shapes world: a mixture of text-to-image, editing and
 keyframe batches by weight.
 
-The batch plan is a pure function of (seed, step, world size, global batch): which task a step
+The batch plan is a pure function of (seed, step, world size, global batch, stages): which task a step
 draws, which examples fill its global batch and how each example is perturbed (caption dropout,
-which keyframes are given, each a function of (seed, step, slot in the global batch)). Data rank r of
+which keyframes are given, each a function of (seed, step, slot in the global batch)). Given the run's
+curriculum (``data.stages``), each step also draws one bucket of the stage in force, uniformly (a function of
+(seed, step)): its scenes are rendered at the bucket's short side and centred on its canvas, as the exported
+world lays them out for the store, so the on-the-fly source trains through the same resolutions and aspects. Data rank r of
 D reads slice r of every global batch, split into micro-batches for gradient accumulation; each
 sample carries its global index (step x global batch + slot). The state is a few integers counting
 optimizer steps, so a run resumes exactly on any process count that divides the global batch.
@@ -116,7 +119,7 @@ class ShapesLoader:
     def __init__(self, world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, global_batch: int,
                  weights: dict[str, float], world_size: int, caption_dropout: float = 0.0,
                  keyframe_cond_prob: float = 0.5, seed: int = 0, micro_batch: int = 0, rank: int = 0,
-                 num_ranks: int = 1):
+                 num_ranks: int = 1, stages: list | None = None):
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
         if global_batch % num_ranks:
@@ -134,12 +137,28 @@ class ShapesLoader:
         self.probs = w / w.sum()
         self.caption_dropout, self.keyframe_cond_prob, self.seed = caption_dropout, keyframe_cond_prob, seed
         self.streams = {t: IndexStream(world_size, seed, TASKS.index(t)) for t in self.tasks}
+        self.stages = list(stages) if stages else None
+        self._worlds = {world.size: world}
         self.step = 0
 
     # --- the plan -------------------------------------------------------------------------------
     def _task_at(self, step: int) -> str:
         u = np.random.default_rng([self.seed, 101, step]).random()
         return self.tasks[int(np.searchsorted(np.cumsum(self.probs), u, side="right").clip(0, len(self.tasks) - 1))]
+
+    def _bucket_at(self, step: int) -> tuple[ShapesWorld, tuple[int, int] | None]:
+        """The world (scene size) and canvas (h, w) of the step: the world's own square without stages, else one
+        bucket of the stage in force, drawn uniformly by (seed, step)."""
+        if not self.stages:
+            return self.world, None
+        from difftrain.data.curriculum import stage_at
+        buckets = stage_at(self.stages, step).buckets
+        b = buckets[int(np.random.default_rng([self.seed, 303, step]).integers(len(buckets)))]
+        side = min(b.h, b.w)
+        if side not in self._worlds:
+            w = self.world
+            self._worlds[side] = ShapesWorld(w.seed, side, w.frames, w.bg_range, w.motion, w.split)
+        return self._worlds[side], (None if b.h == b.w == side else (b.h, b.w))
 
     def _example_rng(self, step: int, slot: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, 202, step, slot])
@@ -152,12 +171,13 @@ class ShapesLoader:
         indices = self.streams[task].take(self.global_batch)   # every rank advances the same global plan
         self.step += 1
         lengths = self._text_lengths(step, task, indices)
+        world, canvas = self._bucket_at(step)
         lo = self.rank * self.share
         out = []
         for m in range(lo, lo + self.share, self.micro_batch):
             slots = range(m, m + self.micro_batch)
             batch = self._build(task, [indices[s] for s in slots], [self._example_rng(step, s) for s in slots],
-                                [step * self.global_batch + s for s in slots])
+                                [step * self.global_batch + s for s in slots], world, canvas)
             batch.tokens = {k: pad_tokens({k: v}, lengths[k])[k] for k, v in batch.tokens.items()}
             out.append(batch)
         return out
@@ -181,11 +201,13 @@ class ShapesLoader:
         targets = self._keyframe_targets(self.world.frames, rng) if task == "keyframes" else None
         return targets, bool(rng.random() < self.caption_dropout)
 
-    def _build(self, task: str, indices: list[int], rngs: list[np.random.Generator], sample_ids: list[int]) -> Batch:
+    def _build(self, task: str, indices: list[int], rngs: list[np.random.Generator], sample_ids: list[int],
+               world: ShapesWorld | None = None, canvas: tuple[int, int] | None = None) -> Batch:
         draws = [self._draws(task, rng) for rng in rngs]
         targets = [t for t, _ in draws] if task == "keyframes" else None
         dropped = [d for _, d in draws]
-        return make_batch(self.world, self.autoencoder, self.tokenize, task, indices, targets, dropped, sample_ids)
+        return make_batch(world or self.world, self.autoencoder, self.tokenize, task, indices, targets, dropped,
+                          sample_ids, canvas)
 
     def _keyframe_targets(self, k: int, rng: np.random.Generator) -> list[bool]:
         """All frames are targets, or (with keyframe_cond_prob) a proper subset is given: the first g
