@@ -1,4 +1,4 @@
-"""How often a compiled, store-fed run compiles: the shapes-store preset's first stage (three 48-pixel aspect
+"""How often a compiled, store-fed run compiles: the shapes-store preset's last stage (three 48-pixel aspect
 buckets; text-to-image, edits and keyframes; ``text.padding = "masked"``, so the text sequence takes a rung
 of its ladder, 8 or 16 tokens here) trained with ``train.compile = true`` from a small shapes export.
 

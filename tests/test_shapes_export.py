@@ -186,3 +186,31 @@ def test_near_duplicates_are_within_a_few_bits_and_caught(export, curated):
         for x in dropped:
             keeper = by_id[int(x[2].split(": ")[1])]
             assert keeper[2] == "" and hamming(keeper[1].phash, x[1].phash) <= d
+
+
+def test_an_export_sized_for_a_curriculum_puts_scenes_where_its_stages_read_them(tmp_path):
+    """``export_plan`` of the shapes-store preset (32-pixel buckets for its first 1,000 of 4,000 steps, then
+    48-pixel ones): scenes split between the sizes as the stages' samples are (1/4, 3/4), each size placed only at
+    its own buckets' aspects, so every clean image is on the canvas of a bucket of the curriculum."""
+    from difftrain.config import load_config, preset_path
+    from difftrain.shapes.export import export_plan
+
+    cfg = load_config(preset_path("shapes-store"), [])
+    plan = export_plan(cfg, epochs=4)
+    assert plan["sizes"] == (32, 48) and plan["size_weights"] == (0.25, 0.75)
+    assert plan["aspects_by_size"] == {32: (0.5, 1.0, 2.0), 48: (0.6, 1.0, 1.666667)}
+    # samples of a task over the run / epochs / the kept fraction: 4,000 x 32 x 0.3 / 4 / 0.8075 keyframe clips
+    assert plan["n"][2] == int(np.ceil(4000 * 32 * 0.3 / 4 / 0.8075))
+    summary = export_shapes(tmp_path / "ds", seed=SEED, **dict(plan, n=(160, 16, 16)))
+    buckets = {(32, 32), (64, 32), (32, 64), (48, 48), (80, 48), (48, 80)}
+    sides = []
+    for v in summary["variants"]["clean"]:
+        if v["source"] == SOURCE_NAMES["t2i"]:
+            w, h = Image.open(tmp_path / "ds" / "t2i" / (v["key"] + ".png")).size
+            assert (w, h) in buckets, v["key"]
+            sides.append(min(w, h))
+    assert 0.1 < sides.count(32) / len(sides) < 0.4
+    with pytest.raises(ValueError, match="size_weights"):
+        export_shapes(tmp_path / "bad", seed=SEED, n=(8, 0, 0), sizes=(32, 48), size_weights=(1.0,))
+    with pytest.raises(ValueError, match="aspects_by_size"):
+        export_shapes(tmp_path / "bad2", seed=SEED, n=(8, 0, 0), sizes=(32, 48), aspects_by_size={32: (1.0,)})

@@ -52,6 +52,7 @@ BAD_QUALITY = (0.05, 0.28)
 
 
 TOKEN_PX = 16   # pixels of one DiT token at the shapes presets' geometry (autoencoder factor 8, 2x2 patches)
+EPOCHS = 4.0    # export_plan: passes of a run over each kept scene (real data is seen a few times, not 16)
 
 
 def canvas_size(size: int, aspect: float, align: int = TOKEN_PX) -> tuple[int, int]:
@@ -150,17 +151,20 @@ def _assign_degraded(seed: int, task: str, n: int, fraction: float) -> dict[int,
     return {int(i): DEGRADED_KINDS[j % len(DEGRADED_KINDS)] for j, i in enumerate(sorted(perm))}
 
 
-def export_plan(cfg, epochs: float = 16.0, degraded: float = 0.15, align: int = TOKEN_PX) -> dict:
+def export_plan(cfg, epochs: float = EPOCHS, degraded: float = 0.15, align: int = TOKEN_PX) -> dict:
     """The export a training config needs: the scene sizes and aspects of its buckets (every stage's short sides
     and w/h ratios; a bucket's canvas must be what ``canvas_size`` makes of its short side and ratio), the
     frames and motion of ``[data]``, and per task enough scenes that the run's samples of that task
     (``train.steps`` x the stages' global batch x the task's weight) see each kept scene about ``epochs``
-    times (a ``degraded`` fraction and the planted faults are curated away). Raises ValueError for a bucket
-    no scene placement gives."""
+    times (a ``degraded`` fraction and the planted faults are curated away). Scenes go to each size in
+    proportion to the samples the stages at that size draw (``size_weights``: a stage's steps x its buckets'
+    mean global batch, shared among its buckets), so a short first stage does not hold half the export.
+    Raises ValueError for a bucket no scene placement gives."""
     from difftrain.config.stages import parse_stages
 
     stages = parse_stages(cfg)
     sizes, aspects = set(), set()
+    by_size: dict[int, set] = {}
     for stage in stages:
         for b in stage.buckets:
             side = min(b.h, b.w)
@@ -171,14 +175,24 @@ def export_plan(cfg, epochs: float = 16.0, degraded: float = 0.15, align: int = 
                                  f"{h}x{w} canvas (margins of whole {align}-pixel units), not {b.h}x{b.w}")
             sizes.add(side)
             aspects.add(round(aspect, 6))
+            by_size.setdefault(side, set()).add(round(aspect, 6))
     d, steps = cfg.data, cfg.train.steps
-    batch = float(np.mean([b.global_batch for s in stages for b in s.buckets]))
+    per_size = dict.fromkeys(sizes, 0.0)
+    for i, stage in enumerate(stages):
+        end = stages[i + 1].start_step if i + 1 < len(stages) else steps
+        stage_steps = max(0, min(end, steps) - stage.start_step)
+        for b in stage.buckets:
+            per_size[min(b.h, b.w)] += stage_steps * b.global_batch / len(stage.buckets)
+    samples = sum(per_size.values())
     weights = {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight}
     total = sum(weights.values()) or 1.0
     kept = (1.0 - degraded) * 0.95
-    n = [max(64, int(np.ceil(steps * batch * weights[t] / total / epochs / kept))) for t in ("t2i", "edit", "keyframes")]
-    return {"n": tuple(n), "sizes": tuple(sorted(sizes)), "aspects": tuple(sorted(aspects)), "frames": d.frames,
-            "motion": d.motion, "degraded": degraded, "align": align}
+    n = [max(64, int(np.ceil(samples * weights[t] / total / epochs / kept))) for t in ("t2i", "edit", "keyframes")]
+    order = sorted(sizes)
+    size_weights = tuple(per_size[z] / samples if samples else 1.0 / len(order) for z in order)
+    return {"n": tuple(n), "sizes": tuple(order), "size_weights": size_weights, "aspects": tuple(sorted(aspects)),
+            "aspects_by_size": {z: tuple(sorted(by_size[z])) for z in order},
+            "frames": d.frames, "motion": d.motion, "degraded": degraded, "align": align}
 
 
 def export_sources(out_dir: str | os.PathLike, edit: str = "manifest") -> list[dict]:
@@ -199,9 +213,14 @@ def export_sources(out_dir: str | os.PathLike, edit: str = "manifest") -> list[d
 
 def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, int, int] = (600, 400, 200),
                   sizes: tuple[int, ...] = (48, 96), aspects: tuple[float, ...] = (1.0, 5 / 3, 3 / 5),
-                  frames: int = 3, motion: str = "across", degraded: float = 0.15, align: int = TOKEN_PX) -> dict:
+                  frames: int = 3, motion: str = "across", degraded: float = 0.15, align: int = TOKEN_PX,
+                  size_weights: tuple[float, ...] | None = None,
+                  aspects_by_size: dict[int, tuple[float, ...]] | None = None) -> dict:
     """Write the dataset described in the module docstring; returns the summary also in export.json. ``align``:
-    the margins' unit in pixels (``canvas_size``; 8 reproduces the half-token placement of earlier exports)."""
+    the margins' unit in pixels (``canvas_size``; 8 reproduces the half-token placement of earlier exports);
+    ``size_weights``: the share of scenes at each of ``sizes`` (default: uniform); ``aspects_by_size``: the aspects
+    a scene of each size is placed at (default: every one of ``aspects``), so no scene lands on a canvas no
+    bucket has."""
     from difftrain.data.curate import hamming, phash_of_array
 
     n_t2i, n_edit, n_key = (int(x) for x in n)
@@ -227,8 +246,26 @@ def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, in
     def example_rng(task: str, i: int) -> np.random.Generator:
         return np.random.default_rng([seed, 0xA5, TASK_IDS[task], i])
 
+    if aspects_by_size is not None:
+        aspects_by_size = {int(k): tuple(v) for k, v in aspects_by_size.items()}
+        if set(aspects_by_size) != {int(z) for z in sizes} or not all(aspects_by_size.values()):
+            raise ValueError(f"aspects_by_size {aspects_by_size}: expected a non-empty tuple of aspects for each size "
+                             f"{tuple(sizes)}")
+    if size_weights is not None:
+        if len(size_weights) != len(sizes) or min(size_weights) < 0 or not sum(size_weights) > 0:
+            raise ValueError(f"size_weights {size_weights}: expected {len(sizes)} non-negative weights, one per size "
+                             f"{tuple(sizes)}, not all zero")
+        size_p = np.asarray(size_weights, dtype=np.float64) / float(sum(size_weights))
+        if np.allclose(size_p, 1.0 / len(sizes)):     # uniform: the unweighted draw (earlier exports unchanged)
+            size_weights = None
+
     def pick_layout(rng: np.random.Generator) -> tuple[int, float]:
-        return int(sizes[int(rng.integers(len(sizes)))]), float(aspects[int(rng.integers(len(aspects)))])
+        if size_weights is None:
+            size = int(sizes[int(rng.integers(len(sizes)))])
+        else:
+            size = int(sizes[int(np.searchsorted(np.cumsum(size_p), rng.random(), side="right").clip(0, len(sizes) - 1))])
+        choices = aspects if aspects_by_size is None else aspects_by_size[size]
+        return size, float(choices[int(rng.integers(len(choices)))])
 
     # ---------------------------------------------------------------- t2i
     n_shard = int(round(n_t2i * SHARD_FRACTION))
@@ -369,6 +406,8 @@ def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, in
     counts = {kind: len(v) for kind, v in variants.items()}
     summary = {
         "seed": seed, "n": [n_t2i, n_edit, n_key], "sizes": list(sizes), "aspects": list(aspects), "align": align,
+        "size_weights": None if size_weights is None else list(size_weights),
+        "aspects_by_size": None if aspects_by_size is None else {str(k): list(v) for k, v in aspects_by_size.items()},
         "frames": frames, "motion": motion, "degraded": degraded,
         "samples": {"t2i": n_folder + len(pairs["exact_dup"]) + len(pairs["near_dup"]), "t2i_shards": n_shard,
                     "edit": n_edit, "keyframes": n_key},
