@@ -7,8 +7,10 @@ Prints one JSON object: ``params``, ``weight_bytes`` (fp32), ``baseline_rss_mb``
 ``peak_over_weights_1rank`` = (peak anonymous - baseline anonymous) / weight bytes (target <= 1.3: the weights
 once, plus what building and sampling need) and ``peak_rss_over_weights_1rank``, the same from the RSS peak,
 which also counts the checkpoint files' pages that safetensors maps while reading (page cache, not the
-process's own memory), ``load_s``, ``sample_s``. Sampling sharded over
-ranks (``peak_over_weights_2rank``) is not built yet and is reported as null.
+process's own memory), ``load_s``, ``sample_s``. Then the same under ``torchrun --nproc-per-node 2`` (gloo, the
+model sharded with FSDP2 as in training): ``peak_over_weights_2rank`` = the larger of the two ranks' anonymous
+growth over the whole model's weight bytes (target <= 0.8: half the weights, plus a block gathered at a time
+and what sampling needs), ``load_s_2rank``, ``sample_s_2rank``.
 
     python bench/sample_memory.py [--dir DIR] [--hidden 1152]
 """
@@ -59,7 +61,7 @@ t2 = time.perf_counter()
 done.set()
 peak_anon[0] = max(peak_anon[0], anon())
 dit = pipe.model["dit"]
-print(json.dumps({"params": sum(p.numel() for p in dit.parameters()),
+print(json.dumps({"rank": int(os.environ.get("RANK", "0")), "params": sum(p.numel() for p in dit.parameters()),
                   "weight_bytes": sum(p.numel() * p.element_size() for p in pipe.model.parameters()),
                   "baseline_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "baseline_anon": base_anon, "peak_anon": peak_anon[0],
@@ -82,13 +84,24 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", WRITE, run, *sets], check=True, env=env)
         out = json.loads(subprocess.run([sys.executable, "-c", READ, run], check=True, env=env, capture_output=True,
                                         text=True).stdout.splitlines()[-1])
+        script = Path(tmp) / "read.py"
+        script.write_text(READ)
+        two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              str(script), run], check=True, env={**env, "OMP_NUM_THREADS": "1"},
+                             capture_output=True, text=True).stdout
+        ranks = [json.loads(line) for line in two.splitlines() if line.startswith('{"rank"')]
     grown = out["peak_anon"] - out["baseline_anon"]
+    grown2 = max(r["peak_anon"] - r["baseline_anon"] for r in ranks)
     print(json.dumps({"params": out["params"], "weight_bytes": out["weight_bytes"],
                       "baseline_rss_mb": round(out["baseline_rss"] / 2**20), "peak_rss_mb": round(out["peak_rss"] / 2**20),
                       "peak_anon_mb": round(out["peak_anon"] / 2**20),
                       "peak_over_weights_1rank": round(grown / out["weight_bytes"], 3),
                       "peak_rss_over_weights_1rank": round((out["peak_rss"] - out["baseline_rss"]) / out["weight_bytes"], 3),
-                      "peak_over_weights_2rank": None, "load_s": out["load_s"], "sample_s": out["sample_s"]}))
+                      "load_s": out["load_s"], "sample_s": out["sample_s"],
+                      "peak_over_weights_2rank": round(grown2 / out["weight_bytes"], 3),
+                      "peak_anon_mb_by_rank": [round(r["peak_anon"] / 2**20) for r in ranks],
+                      "load_s_2rank": max(r["load_s"] for r in ranks),
+                      "sample_s_2rank": max(r["sample_s"] for r in ranks)}))
 
 
 if __name__ == "__main__":

@@ -253,8 +253,22 @@ def cmd_sample(args) -> int:
     edit = read_image(args.edit, cfg.data.image_size) if args.edit else None
     batch = request_batch(pipe, cfg, [args.prompt] * args.num_images, edit, args.frames)
     seed = cfg.sample.seed if args.seed is None else args.seed
-    lat = pipe.sample(batch, args.steps or cfg.sample.steps, guidance_scale(cfg, args.cfg_scale), seed=seed)
-    imgs = pipe.to_images(lat)
+    from difftrain.parallel.dist import gather_objects, rank_world
+
+    # Under torchrun each rank generates its slice of the images (the model sharded; every forward collective, so
+    # a rank with no image generates a stand-in), with the noise each image gets in one process; rank 0 writes.
+    rank, ranks = rank_world()
+    B = len(batch)
+    lo, hi = rank * B // ranks, (rank + 1) * B // ranks
+    rows = slice(lo, hi) if hi > lo else slice(0, 1)
+    lat = pipe.sample(batch, args.steps or cfg.sample.steps, guidance_scale(cfg, args.cfg_scale), seed=seed,
+                      rows=rows if ranks > 1 else None)
+    imgs = pipe.to_images(lat)[: hi - lo]
+    if ranks > 1:
+        import numpy as np
+        imgs = np.concatenate(gather_objects(imgs))
+        if rank != 0:
+            return 0
     out = Path(args.out) if args.out else Path(info["path"]).parent.parent / "samples" / "cli"
     written = []
     for b in range(imgs.shape[0]):
@@ -277,11 +291,15 @@ def cmd_eval(args) -> int:
 
     pipe, cfg, _ = load_pipeline(args.checkpoint)
     world_seed, noise_seed = (cfg.eval.seed, cfg.sample.seed) if args.seed is None else (args.seed, args.seed)
+    from difftrain.parallel.dist import rank_world
     buckets = [name for name, _, _ in eval_buckets(cfg)]
-    print(f"evaluating at {len(buckets)} bucket(s) of the last stage: {', '.join(buckets)}"
-          + (" (accuracies: their mean; per bucket under by_bucket)" if len(buckets) > 1 else ""), file=sys.stderr)
+    if rank_world()[0] == 0:
+        print(f"evaluating at {len(buckets)} bucket(s) of the last stage: {', '.join(buckets)}"
+              + (" (accuracies: their mean; per bucket under by_bucket)" if len(buckets) > 1 else ""), file=sys.stderr)
     metrics, gens = evaluate_buckets(pipe, cfg, world_seed, args.n or cfg.eval.n, args.steps or cfg.sample.steps,
                                      guidance_scale(cfg, args.cfg_scale), noise_seed)
+    if rank_world()[0] != 0:                      # under torchrun every rank has the metrics; rank 0 reports
+        return 0
     if args.grid:
         caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
     if args.json:

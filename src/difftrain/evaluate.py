@@ -45,16 +45,28 @@ def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[i
     centre square, as the exported world lays scenes on aspect buckets."""
     if task == "keyframes" and keyframe_given not in KEYFRAME_MODES:
         raise ValueError(f"keyframe_given must be one of {', '.join(KEYFRAME_MODES)}, got {keyframe_given!r}")
+    from difftrain.parallel.dist import gather_objects, rank_world
+
     split = getattr(world, "split", "train")
+    # Under torchrun the model is sharded and every forward is collective: the batches go round-robin over the
+    # ranks, each generated whole with its own noise seed (so the images are one process's), and a rank without
+    # a batch in a round generates a one-example stand-in, to keep the forwards in step.
+    rank, ranks = rank_world()
+    starts = list(range(0, len(indices), batch_size))
+    rounds = -(-len(starts) // ranks)
     out: list[Generated] = []
-    for lo in range(0, len(indices), batch_size):
-        chunk = indices[lo:lo + batch_size]
+    for i in range(rounds):
+        j = i * ranks + rank
+        lo = starts[j] if j < len(starts) else None
+        chunk = indices[lo:lo + batch_size] if lo is not None else indices[:1]
         targets = None
         if task == "keyframes":
             k = world.frames
             targets = [[f != 0 if keyframe_given == "first" else True for f in range(k)] for _ in chunk]
         batch = make_batch(world, pipe.autoencoder, pipe.text_encoder.tokenize, task, chunk, targets, canvas=canvas)
-        imgs = pipe.to_images(pipe.sample(batch, steps, cfg_scale, seed=seed + lo))
+        imgs = pipe.to_images(pipe.sample(batch, steps, cfg_scale, seed=seed + (lo or 0)))
+        if lo is None:
+            continue
         if canvas is not None:                     # the scene: the centre square
             top, left = (canvas[0] - world.size) // 2, (canvas[1] - world.size) // 2
             imgs = np.ascontiguousarray(imgs[:, :, top:top + world.size, left:left + world.size])
@@ -71,6 +83,18 @@ def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[i
                 s = score_keyframes(imgs[b], m["spec"], readings)
                 generated = [r.one_shape for f, r in enumerate(readings) if targets[b][f]]  # given frames: not ours
                 out.append(Generated(task, batch.prompts[b], list(imgs[b]), s, split, keyframe_given, generated))
+    if ranks == 1:
+        return out
+    return _merge_rounds(gather_objects(out), len(starts), ranks, batch_size, len(indices))
+
+
+def _merge_rounds(per_rank: list[list], batches: int, ranks: int, batch_size: int, n: int) -> list:
+    """Each rank's generations (its batches in order: b, b + ranks, ...) back into the order of one process."""
+    out, taken = [], [0] * ranks
+    for b in range(batches):
+        r, size = b % ranks, min(batch_size, n - b * batch_size)
+        out += per_rank[r][taken[r]:taken[r] + size]
+        taken[r] += size
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -41,19 +42,43 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
         log.warning("%s was trained before text.padding existed (its text encoder attended padding to each batch's "
                     "longest caption); it is sampled under text.padding = %r, which it was not trained for",
                     info["path"], cfg.text.padding)
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    env = None
+    if sharded:                                  # under torchrun: the model sharded over the ranks (FSDP2)
+        from difftrain.parallel.dist import init_distributed
+        env = init_distributed(_inference_config(cfg))
+        device = env.device
     device = device or pick_device()
     ae = build_autoencoder(cfg.autoencoder.kind, cfg.autoencoder.factor, cfg.autoencoder.path,
                            cfg.autoencoder.scaling, cfg.autoencoder.shift)
     vocab = info.get("text_encoder", {}).get("vocabulary")
     text = build_text_encoder(cfg, vocab, device)
-    model = build_model(cfg, text, ae, device)
-    # The checkpoint's weights are read into the model's own parameters: one copy of the model, not two.
+    model = build_model(cfg, text, ae, "meta" if sharded else device)
+    if sharded:
+        from difftrain.parallel import parallelize
+        parallelize(model, _inference_config(cfg), env, None)
+        model["dit"].to_empty(device=device)
+    if device.type == "cuda" and cfg.train.precision == "bf16":
+        model.to(torch.bfloat16)                 # bf16 weights on a GPU: half the memory; read in place below
+    # The checkpoint's weights are read into the model's own parameters (each rank's shards, when sharded): one
+    # copy of the model, not two.
     params = {k: v.detach() for k, v in model.named_parameters()}
     Checkpointer.load_tensors(info["path"], "ema" if use_ema and cfg.train.ema_decay > 0 else "model", params)
     model.eval().requires_grad_(False)
     pipe = Pipeline(model, text, ae.to(device), FlowSpec.from_config(cfg.diffusion), device,
                     amp_dtype(cfg.train.precision, device), sample_shift=(cfg.sample.shift, cfg.sample.shift_value))
     return pipe, cfg, info
+
+
+def _inference_config(cfg: Config) -> Config:
+    """The run's config for sampling on this launch: the model sharded over every rank (no replicas, no context
+    parallelism, no compilation), whatever mesh it was trained on."""
+    import dataclasses
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    par = dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=-1, cp=1, ac="none", cpu_offload=False)
+    train = dataclasses.replace(cfg.train, compile=False, global_batch=world, micro_batch=0)
+    data = dataclasses.replace(cfg.data, source="shapes", stages=[])
+    return dataclasses.replace(cfg, parallel=par, train=train, data=data)
 
 
 def request_batch(pipe: Pipeline, cfg: Config, prompts: list[str], edit_image=None, frames: int | None = None) -> Batch:

@@ -48,6 +48,14 @@ class Batch:
     def __len__(self) -> int:
         return self.x0_BLC.shape[0]
 
+    def rows(self, sl: slice) -> "Batch":
+        """Examples ``sl`` of the batch (a rank's share of a request)."""
+        text = None if self.text is None else TextEmbedding(self.text.txt_BTD[sl], self.text.pooled_BP[sl],
+                                                            self.text.mask_BT[sl])
+        return replace(self, x0_BLC=self.x0_BLC[sl], ids_BL3=self.ids_BL3[sl], loss_mask_BL=self.loss_mask_BL[sl],
+                       tokens={k: v[sl] for k, v in self.tokens.items()}, prompts=self.prompts[sl],
+                       meta=self.meta[sl], sample_ids=self.sample_ids[sl], text=text)
+
 
 def assemble(latents_BFCHW: Tensor, indices: list[int], target_BF: Tensor, tokens: dict[str, Tensor],
              prompts: list[str], task: str, meta: list[dict] | None = None) -> Batch:

@@ -74,9 +74,15 @@ class Pipeline:
                         self.text_encoder.tokenize(prompts), prompts, task or ("keyframes" if frames > 1 else "t2i"))
 
     def sample(self, batch: Batch, steps: int = 20, cfg_scale: float = 4.0, shift: float | None = None,
-               seed: int = 0) -> Tensor:
-        """Generate the target frames of ``batch`` (its conditioning frames are kept); latents (B, F, C, H, W)."""
+               seed: int = 0, rows: slice | None = None) -> Tensor:
+        """Generate the target frames of ``batch`` (its conditioning frames are kept); latents (B, F, C, H, W).
+        ``rows``: generate only those examples, with the noise they get when the whole batch is generated."""
         batch = batch.to(self.device)
+        noise = None
+        if rows is not None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            noise = torch.randn(batch.x0_BLC.shape, generator=gen, device=self.device, dtype=torch.float32)[rows]
+            batch = batch.rows(rows)
         B = len(batch)
         _, H, W = batch.grid
         if shift is None:
@@ -101,7 +107,7 @@ class Pipeline:
                 return self.velocity(x, batch.ids_BL3, t, cond)
 
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        x = euler_sample(vel, batch.x0_BLC, batch.loss_mask_BL, steps, shift, gen)
+        x = euler_sample(vel, batch.x0_BLC, batch.loss_mask_BL, steps, shift, gen, noise)
         return frames_of(x, batch.grid)
 
     @torch.no_grad()

@@ -22,9 +22,11 @@ def schedule(steps: int, shift: float = 1.0, device: torch.device | str = "cpu")
 
 @torch.no_grad()
 def euler_sample(velocity: VelocityFn, x_cond_BLC: Tensor, mask_BL: Tensor, steps: int, shift: float = 1.0,
-                 generator: torch.Generator | None = None) -> Tensor:
-    """Integrate target tokens (mask True) from noise; conditioning tokens stay as given."""
-    noise = torch.randn(x_cond_BLC.shape, generator=generator, device=x_cond_BLC.device, dtype=torch.float32)
+                 generator: torch.Generator | None = None, noise: Tensor | None = None) -> Tensor:
+    """Integrate target tokens (mask True) from noise (``noise``, else drawn from ``generator``); conditioning
+    tokens stay as given."""
+    if noise is None:
+        noise = torch.randn(x_cond_BLC.shape, generator=generator, device=x_cond_BLC.device, dtype=torch.float32)
     m = mask_BL[..., None]
     x = torch.where(m, noise, x_cond_BLC.float())
     ts = schedule(steps, shift, x.device)

@@ -264,3 +264,20 @@ def shutdown(clean: bool = True) -> None:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the process group, (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` without a process group."""
+    rank, world = rank_world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out

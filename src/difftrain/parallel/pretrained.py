@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -325,20 +326,33 @@ def load_pretrained(dit: MMDiT, path: str | Path) -> dict:
 
 def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool) -> Path:
     """A live model's weights as ``OUT/model.safetensors`` (float32) with ``OUT/config.toml``: the layout
-    ``difftrain export`` writes. Sharded tensors are gathered one at a time (a collective: every rank calls
-    this); rank 0 writes."""
-    from safetensors.torch import save_file
+    ``difftrain export`` writes, streamed as it streams: rank 0 writes the header, then each tensor as it is
+    gathered (one at a time, a collective: every rank calls this), so no rank holds more than one full tensor
+    beyond its own shards. Written under a temporary name and renamed, so a crash leaves no half file."""
     from difftrain.config import to_toml
+    from difftrain.export import _SafetensorsWriter
 
-    sd = {}
-    for k, v in named.items():
-        v = v.detach()
-        full = v.full_tensor() if hasattr(v, "full_tensor") else v
-        if is_main:
-            sd[k] = full.float().cpu().contiguous()
+    entries = [(k, tuple(v.shape), torch.float32) for k, v in named.items()]   # a DTensor's shape is the full one
+    tmp = out / (EXPORT_WEIGHTS + ".tmp")
+    writer = None
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        save_file(sd, str(out / EXPORT_WEIGHTS), metadata={"format": EXPORT_FORMAT})
+        writer = _SafetensorsWriter(tmp, entries, {"format": EXPORT_FORMAT}).__enter__()
+    try:
+        for k, v in named.items():
+            v = v.detach()
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            if writer is not None:
+                writer.write(k, full.float())
+            del full
+    except BaseException as e:
+        if writer is not None:
+            writer.__exit__(type(e), e, None)
+            tmp.unlink(missing_ok=True)
+        raise
+    if writer is not None:
+        writer.__exit__(None, None, None)
+        os.replace(tmp, out / EXPORT_WEIGHTS)
         (out / "config.toml").write_text(to_toml(cfg))
     return out / EXPORT_WEIGHTS
 
