@@ -3,9 +3,14 @@ fault per run, at a random step, with automatic restart (``--max-restarts``) and
 script acting as the launcher that requeues. Prints one JSON object.
 
 Faults: ``kill`` (SIGKILL of a random rank), ``killsave`` (SIGKILL of rank 0 while a checkpoint is being
-sealed), ``corrupt`` (the newest checkpoint damaged, then a kill), ``enospc`` (a checkpoint write fails with
-ENOSPC), ``nan`` (a non-finite loss), ``hang`` (one rank stops; the watchdog ends it), ``sigterm``
-(preemption: every rank stops at one step, checkpoints, the launcher requeues).
+sealed), ``corrupt`` / ``truncate`` (the newest checkpoint's largest file damaged or cut short, then a kill),
+``enospc`` (a checkpoint write fails with ENOSPC), ``enospc_partial`` (ENOSPC half way through a shard), ``nan`` (a
+non-finite loss), ``hang`` (one rank stops; the watchdog ends it), ``sigterm`` (preemption from inside a worker:
+every rank stops at one step, checkpoints, the launcher requeues), ``agent_sigterm`` (SIGTERM to the torchrun
+agent, as schedulers send it), ``anytime`` (SIGKILLs at random moments, each recording the phase it hit:
+``phases_hit``), ``nodekill`` / ``nodestop`` (one of two torchrun agents' nodes lost, ``bench/node_loss.py``:
+``detect_s``, ``rendezvous_s``, ``resume_s``) and ``store`` (a kill in a job fed from a latent store the script
+prepares, the store loader's state in the checkpoint).
 
 Per fault: ``recovered`` (the job finished with no person involved), ``recovery_seconds`` (the fault ->
 the first step after the resume; for faults that need no restart, 0), ``steps_lost`` (steps run twice),
@@ -16,6 +21,8 @@ faulted jobs (process starts included). ``goodput_at_1_fault_per_hour``: project
 recovery time, the mean lost work at the run's checkpoint interval (half an interval of steps) and the
 measured checkpoint stall per interval, at the reference run's measured step time (``--step-seconds`` to
 project for another).
+
+``goodput_projected_24b_64gpu``: the dit-24b preset on 64 H200s, its assumptions in the JSON.
 
     python bench/chaos.py [--steps 40] [--every 5] [--seed 0] [--faults kill,killsave,...]
 """
@@ -44,7 +51,7 @@ TINY = ["model.hidden=32", "model.heads=2", "model.double_blocks=1", "model.sing
         "train.log_every=1", "train.lr=1e-3", "sample.steps=3", "eval.n=4", "train.ema_decay=0.9",
         "train.threads=1", "train.schedule=constant", "health.hang_seconds=10", "health.straggler_every=0"]
 ALL = ("kill", "killsave", "corrupt", "truncate", "enospc", "enospc_partial", "nan", "hang", "sigterm",
-       "agent_sigterm", "anytime", "nodekill", "nodestop")
+       "agent_sigterm", "anytime", "nodekill", "nodestop", "store")
 DWELL_S = 0.05       # 'anytime': every phase lasts at least this long, so a poll of the board can land in it
 
 
@@ -276,6 +283,32 @@ def project_24b(write_gbps: float, staging_gbps: float, read_gbps: float, restar
         "checkpoint_interval_s": round(interval_s, 1), "cost_per_interruption_s": round(per_failure_s, 1)}}
 
 
+def store_config(root: Path, steps: int, every: int) -> Path:
+    """A store-fed job: the shapes world exported small, prepared into a latent store (Ray Data, Lance), and the
+    chaos job's model trained from it over one stage of two 32-pixel buckets."""
+    from difftrain.config import preset_path
+
+    export, store = root / "store-export", root / "store"
+    cli = [sys.executable, "-m", "difftrain"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cli + ["shapes", "export", str(export), "--n", "96", "64", "48"], check=True, env=env,
+                   capture_output=True)
+    sources = "[" + ", ".join([
+        f'{{name = "shapes_t2i", kind = "folder", path = "{export}/t2i"}}',
+        f'{{name = "shapes_t2i_shards", kind = "webdataset", path = "{export}/shards"}}',
+        f'{{name = "shapes_edit", kind = "manifest", task = "edit", path = "{export}/edit/manifest.jsonl"}}',
+        f'{{name = "shapes_keyframes", kind = "keyframes", path = "{export}/keyframes"}}']) + "]"
+    stage = '[{name = "s", start_step = 0, buckets = [[48, 48], [48, 80]], global_batch = 8}]'
+    cfg = root / "store-job.toml"
+    cfg.write_text(to_toml(load_config(preset_path("shapes-store"), [
+        o for o in TINY if not o.startswith(("data.image_size", "data.world_size"))] + [
+        "autoencoder.factor=8", "model.axes_dims_rope=[4, 6, 6]", f"data.sources={sources}",
+        f"data.store={store}", f"data.stages={stage}", "data.image_size=48", f"train.steps={steps}",
+        f"train.checkpoint_every={every}", "train.sample_every=0"])))
+    subprocess.run(cli + ["prepare", str(cfg), "--no-progress"], check=True, env=env, capture_output=True)
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -316,7 +349,7 @@ def main() -> None:
     ref = reference("reference")
     out = []
     node_kinds = [k for k in kinds if k in ("nodekill", "nodestop")]
-    for kind in [k for k in kinds if k not in node_kinds]:
+    for kind in [k for k in kinds if k not in node_kinds and k != "store"]:
         run, samples = root / kind, root / f"{kind}.samples"
         step = rng.randint(args.every + 2, args.steps - args.every)
         rank = rng.randint(0, 1)
@@ -370,10 +403,26 @@ def main() -> None:
         print(json.dumps({k: row[k] for k in ("kind", "spec", "recovered", "recovery_seconds", "steps_lost",
                                                  "final_state_identical")}), file=sys.stderr, flush=True)
     out += node_loss_rows(root, node_kinds, args.seed)
+    if "store" in kinds:      # a store-fed job: the store loader's state is in the checkpoint; a rank is killed
+        scfg = store_config(root, args.steps, args.every)
+        sref_run, sref_samples = root / "store-reference", root / "store-reference.samples"
+        rc, _, err = torchrun(scfg, sref_run, "", sref_samples, restarts=0)
+        if rc != 0:
+            raise SystemExit(f"store reference run failed:\n{err}")
+        sref = {"files": final_files(sref_run, args.steps), "stream": stream(sref_samples)[0]}
+        step, rank = rng.randint(args.every + 2, args.steps - args.every), rng.randint(0, 1)
+        spec = f"kill@{step}:{rank}"
+        run, samples = root / "store-kill", root / "store-kill.samples"
+        rc, wall, err = torchrun(scfg, run, spec, samples)
+        row = analyse("store", run, samples, wall, rc, sref, args.steps)
+        row["spec"] = spec + " (store-fed)"
+        if rc != 0:
+            row["stderr_tail"] = err[-800:]
+        out.append(row)
 
     counted = sum(r["counted_step_seconds"] for r in out)
     wall = sum(r["wall_seconds"] for r in out)
-    restarts = [r for r in out if r["kind"] in ("kill", "killsave", "corrupt", "truncate", "hang", "anytime")
+    restarts = [r for r in out if r["kind"] in ("kill", "killsave", "corrupt", "truncate", "hang", "anytime", "store")
                 and r["recovery_seconds"]]
     rec = sum(r["recovery_seconds"] for r in restarts) / max(1, len(restarts))
     stalls = [s for r in out for s in r.get("checkpoint_stall_s", []) if s is not None]
