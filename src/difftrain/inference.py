@@ -56,7 +56,9 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     model = build_model(cfg, text, ae, "meta" if sharded else device)
     if sharded:
         from difftrain.parallel import parallelize
-        parallelize(model, _inference_config(cfg), env, None)
+        units, _ = parallelize(model, _inference_config(cfg), env, None)
+        for unit in units:          # no backward follows: the root (embedders, head) need not stay gathered either
+            unit.set_reshard_after_forward(True)
         model["dit"].to_empty(device=device)
     if device.type == "cuda" and cfg.train.precision == "bf16":
         model.to(torch.bfloat16)                 # bf16 weights on a GPU: half the memory; read in place below
