@@ -191,9 +191,9 @@ def test_sample_shift_is_read(tiny_cfg, tmp_path, capsys, monkeypatch):
     used = []
     real = pipeline.euler_sample
 
-    def spy(velocity, x, mask, steps, shift=1.0, generator=None):
+    def spy(velocity, x, mask, steps, shift=1.0, generator=None, noise=None):
         used.append(shift)
-        return real(velocity, x, mask, steps, shift, generator)
+        return real(velocity, x, mask, steps, shift, generator, noise)
 
     monkeypatch.setattr(pipeline, "euler_sample", spy)
     build_trainer(tiny_cfg("train.steps=2", "train.checkpoint_every=0"), tmp_path / "run").fit()

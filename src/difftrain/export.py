@@ -24,7 +24,6 @@ import math
 import os
 import secrets
 import shutil
-import struct
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -40,16 +39,13 @@ from difftrain.models.dit import DiTParams, MMDiT
 from difftrain.models.flux_adapter import FINAL_ADALN, diffusers_config, params_from_diffusers_config, tensor_plan, \
     to_diffusers
 from difftrain.parallel.pretrained import DIFFUSERS_WEIGHTS, EXPORT_FORMAT, EXPORT_PREFIX, EXPORT_WEIGHTS
+from difftrain.parallel.stream_writer import SafetensorsStreamWriter as _SafetensorsWriter
 from difftrain.train.checkpoint import Checkpointer
 
 WEIGHTS = {"ema": "ema", "raw": "model"}               # --weights -> checkpoint key prefix
 LAYOUTS = ("difftrain", "diffusers")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUP_BYTES = 1 << 30                                  # tensors read per DCP load (bounds the memory)
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "ema", layout: str = "difftrain",
@@ -300,52 +296,6 @@ def _stream(ckpt: Path, prefix: str, sources: dict[str, Any], plan: _Plan, dtype
                 writer.write(name, converted.pop(name).to(writer.entries[writer.next][2]))
             del state, converted
     return writer.data_bytes
-
-
-class _SafetensorsWriter:
-    """A safetensors file written tensor by tensor: the header (all names, shapes, dtypes) first, then the data
-    in header order, so no more than one group of tensors is ever held."""
-
-    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], metadata: dict[str, str]):
-        self.path, self.entries = path, entries
-        header: dict[str, Any] = {"__metadata__": metadata}
-        at = 0
-        for name, shape, dtype in entries:
-            if dtype not in _ST_DTYPES:
-                raise UserError(f"{name}: dtype {dtype} cannot be written to safetensors here")
-            n = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
-            at += n
-        self.data_bytes = at
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        self.header = raw + b" " * (-len(raw) % 8)          # data starts 8-byte aligned
-        self.next = 0
-
-    def __enter__(self) -> "_SafetensorsWriter":
-        self.file = open(self.path, "wb")
-        self.file.write(struct.pack("<Q", len(self.header)) + self.header)
-        return self
-
-    def write(self, name: str, t: Tensor) -> None:
-        want, shape, dtype = self.entries[self.next]
-        if name != want or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise RuntimeError(f"export: wrote {name} {tuple(t.shape)} {t.dtype}, expected {want} {shape} {dtype}")
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self.file.write(memoryview(data.numpy()))
-        self.next += 1
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                if self.next != len(self.entries):
-                    raise RuntimeError(f"export: {len(self.entries) - self.next} tensors of {self.path} not written")
-                expected = 8 + len(self.header) + self.data_bytes
-                if self.file.tell() != expected:
-                    raise RuntimeError(f"export: {self.path} is {self.file.tell()} bytes, expected {expected}")
-                self.file.flush()
-                os.fsync(self.file.fileno())
-        finally:
-            self.file.close()
 
 
 # --- the output folder -----------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ class ConfiguredSource:
         cfg = self.cfg
         if not cfg.data.stages:
             return None
-        from difftrain.config.stages import parse_stages
+        from difftrain.data.curriculum import parse_stages
         stages = parse_stages(cfg)
         for st in stages:
             if st.mixture:

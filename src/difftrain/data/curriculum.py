@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from difftrain.config.stages import Bucket, Stage
+from difftrain.config.stages import Bucket, Stage, parse_stages
 
 
 def assign_bucket(buckets: tuple[Bucket, ...] | list[Bucket], width: int, height: int) -> Bucket:
@@ -21,3 +21,6 @@ def stage_at(stages: list[Stage], step: int) -> Stage:
         if s.start_step <= step:
             current = s
     return current
+
+
+__all__ = ["assign_bucket", "stage_at", "parse_stages", "Bucket", "Stage"]

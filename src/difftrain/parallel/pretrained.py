@@ -330,14 +330,14 @@ def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool)
     gathered (one at a time, a collective: every rank calls this), so no rank holds more than one full tensor
     beyond its own shards. Written under a temporary name and renamed, so a crash leaves no half file."""
     from difftrain.config import to_toml
-    from difftrain.export import _SafetensorsWriter
+    from difftrain.parallel.stream_writer import SafetensorsStreamWriter
 
     entries = [(k, tuple(v.shape), torch.float32) for k, v in named.items()]   # a DTensor's shape is the full one
     tmp = out / (EXPORT_WEIGHTS + ".tmp")
     writer = None
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        writer = _SafetensorsWriter(tmp, entries, {"format": EXPORT_FORMAT}).__enter__()
+        writer = SafetensorsStreamWriter(tmp, entries, {"format": EXPORT_FORMAT}).__enter__()
     try:
         for k, v in named.items():
             v = v.detach()
