@@ -139,11 +139,13 @@ def analyse(kind: str, run: Path, samples: Path, wall: float, rc: int, ref: dict
             "checkpoint_skipped": [e["step"] for e in events if e["kind"] == "checkpoint_skipped"]}
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+def _node_loss():
+    """bench/node_loss.py as a module (the two-agent harness and its process helpers)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("node_loss", Path(__file__).with_name("node_loss.py"))
+    nl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nl)
+    return nl
 
 
 def anytime_killer(board: Path, rng: random.Random, kills: list[dict], max_kills: int = 8):
@@ -152,6 +154,7 @@ def anytime_killer(board: Path, rng: random.Random, kills: list[dict], max_kills
     every phase was hit or ``max_kills``. A kill aimed at a phase not yet hit waits, after its random wait, for a
     rank to be in it (polled every 2 ms; phases last at least DWELL_S)."""
     from difftrain.train.phases import PHASES, read
+    alive = _node_loss().alive
 
     def run(proc: subprocess.Popen) -> None:
         todo = list(PHASES)
@@ -217,10 +220,7 @@ def recovery_after(run: Path, t: float) -> float | None:
 def node_loss_rows(root: Path, kinds: list[str], seed: int) -> list[dict]:
     """The two node losses (``bench/node_loss.py``): two torchrun agents, one node SIGKILLed (it comes back
     later) or SIGSTOPped; against an uninterrupted run of the same config."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("node_loss", Path(__file__).with_name("node_loss.py"))
-    nl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nl)
+    nl = _node_loss()
     ref = nl.reference(root / "node-reference")
     rows = []
     for kind in kinds:

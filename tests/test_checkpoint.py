@@ -235,29 +235,41 @@ def test_verify_shares_cover_every_piece_once_within_a_fair_share_plus_one_piece
     assert max(sum(old[n]["bytes"] for n, _ in s) for s in shares) <= total / world + 30 * mb
 
 
-def test_pieces_find_damage_where_it_is(tmp_path, monkeypatch):
-    """With pieces smaller than the shard, a flipped byte is reported in the piece that holds it, and a share
-    without that piece passes; the marker lists every piece's checksum, computed as the shard was written."""
-    from difftrain.train import verification
-    from difftrain.train.checkpoint import MARKER, verify
+def _saved_and_largest(tmp_path):
+    """A blocking save of a trained model; its path, the marker's files and the largest file's name."""
+    from difftrain.train.checkpoint import MARKER
 
-    monkeypatch.setattr(verification, "PIECE", 256)
     ck = Checkpointer(tmp_path)
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     _train(m, opt)
     path = ck.save(1, m, opt, EMA(m, 0.9), {"loader": {}}, blocking=True).path
     files = json.loads((path / MARKER).read_text())["files"]
-    target = max(files, key=lambda n: files[n]["bytes"])
+    return path, files, max(files, key=lambda n: files[n]["bytes"])
+
+
+def _flip_byte(f: Path, at: int) -> None:
+    """Same size, other bytes: the byte at ``at`` inverted."""
+    with f.open("r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_pieces_find_damage_where_it_is(tmp_path, monkeypatch):
+    """With pieces smaller than the shard, a flipped byte is reported in the piece that holds it, and a share
+    without that piece passes; the marker lists every piece's checksum, computed as the shard was written."""
+    from difftrain.train import verification
+    from difftrain.train.checkpoint import verify
+
+    monkeypatch.setattr(verification, "PIECE", 256)
+    path, files, target = _saved_and_largest(tmp_path)
     assert files[target]["piece_bytes"] == 256 and len(files[target]["pieces"]) == -(-files[target]["bytes"] // 256)
     assert files[target]["pieces"] == verification.file_digest(path / target, piece=256)["pieces"]
     assert not list(path.glob("*.digest"))
     at = files[target]["bytes"] - 10
-    with (path / target).open("r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _flip_byte(path / target, at)
     k = at // 256
     assert k > 0
     assert verify(path, only={(target, k)}) == (f"{target} fails its CRC-32 checksum (piece {k}, bytes "
@@ -269,18 +281,8 @@ def test_pieces_find_damage_where_it_is(tmp_path, monkeypatch):
 def test_a_share_only_checksums_its_files_but_every_size_is_checked(tmp_path):
     from difftrain.train.checkpoint import verify
 
-    ck = Checkpointer(tmp_path)
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    _train(m, opt)
-    path = ck.save(1, m, opt, EMA(m, 0.9), {"loader": {}}, blocking=True).path
-    files = json.loads((path / MARKER).read_text())["files"]
-    target = max(files, key=lambda n: files[n]["bytes"])
-    with (path / target).open("r+b") as f:                           # same size, other bytes
-        f.seek(files[target]["bytes"] // 2)
-        b = f.read(1)
-        f.seek(files[target]["bytes"] // 2)
-        f.write(bytes([b[0] ^ 0xFF]))
+    path, files, target = _saved_and_largest(tmp_path)
+    _flip_byte(path / target, files[target]["bytes"] // 2)
     assert verify(path, only={target}).startswith(f"{target} fails its CRC-32 checksum")
     assert verify(path, only=set(files) - {target}) is None           # another rank's share: not its business
     (path / target).write_bytes(b"short")
