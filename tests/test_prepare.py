@@ -130,9 +130,12 @@ def test_killed_prepare_resumes_to_the_same_content(ray_local, export, tmp_path,
     cfg = shapes_cfg(export, tmp_path / "resumed")
     partial = prepare(cfg, progress=False, commit_every=8, limit=40)            # stops as a killed run would
     assert 0 < partial["encoded"] < prepared[1]["encoded"]
+    # a writer killed between writing its manifest and renaming it into place leaves a temp behind
+    (tmp_path / "resumed" / ".store.json.tmp4242").write_text('{"half": ')
     done = prepare(cfg, progress=False, commit_every=8)
     assert done["encoded"] + partial["encoded"] >= prepared[1]["encoded"]
     assert table_content(str(tmp_path / "resumed")) == table_content(prepared[0].data.store)
+    assert not (tmp_path / "resumed" / ".store.json.tmp4242").exists()
     again = prepare(cfg, progress=False)
     assert again["encoded"] == 0                                              # nothing left to do
 

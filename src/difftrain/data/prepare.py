@@ -270,6 +270,7 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
             return summary
         record = StagedRecord(store)
         record.recover()
+        st.remove_manifest_temps(store)
         try:
             curated = curated.materialize()          # the rows in the object store: record, counts and tables read them
             record.write(curated, {"config": json.dumps(to_dict(cfg))})

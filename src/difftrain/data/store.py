@@ -145,6 +145,19 @@ def write_manifest(store: str, manifest: dict) -> None:
     fs.mv(tmp, f"{root}/store.json")
 
 
+def remove_manifest_temps(store: str) -> int:
+    """Remove the half-written manifests (``.store.json.tmp<pid>``) of writers killed between write and rename;
+    the caller is the store's one writer (``prepare``), so none of them is in use. Returns how many."""
+    fs, root = _fs(store)
+    root = root.rstrip("/")
+    if not fs.exists(root):
+        return 0
+    temps = [p for p in fs.ls(root, detail=False) if os.path.basename(p.rstrip("/")).startswith(".store.json.tmp")]
+    for p in temps:
+        fs.rm(p)
+    return len(temps)
+
+
 # --------------------------------------------------------------------------- bits <-> tensors
 
 def to_bits(x: torch.Tensor, dtype: str) -> np.ndarray:
