@@ -8,8 +8,8 @@ Prints one JSON object: ``params``, ``weight_bytes`` (fp32), ``baseline_rss_mb``
 once, plus what building and sampling need) and ``peak_rss_over_weights_1rank``, the same from the RSS peak,
 which also counts the checkpoint files' pages that safetensors maps while reading (page cache, not the
 process's own memory), ``load_s``, ``sample_s``. Then the same under ``torchrun --nproc-per-node 2`` (gloo, the
-model sharded with FSDP2 as in training): ``peak_over_weights_2rank`` = the larger of the two ranks' anonymous
-growth over the whole model's weight bytes (target <= 0.8: half the weights, plus a block gathered at a time
+model sharded with FSDP2, every linear layer a unit): ``peak_over_weights_2rank`` = the larger of the two ranks' anonymous
+growth over the whole model's weight bytes (target <= 0.8: half the weights, plus a layer gathered at a time
 and what sampling needs), run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (see ``MMAP_THRESHOLD``), and
 ``peak_over_weights_2rank_default_malloc`` without it; ``load_s_2rank``, ``sample_s_2rank``.
 

@@ -224,3 +224,26 @@ def test_plan_verb_prints_strategies_and_fails_when_nothing_fits(capsys):
     err = capsys.readouterr().err
     assert "Nothing fits" in err and "What would fit" in err
     assert main(["plan", "dit-24b", "--gpus", "0", "--gpu-mem", "16"]) == 2
+
+
+def test_sampling_shards_every_linear_layer_of_the_blocks_and_training_every_block():
+    """FSDP units, innermost first: 'block' = blocks then the root; 'layer' adds each block's linear layers before
+    their block, so a unit's own parameters are at most one layer (the root keeps its embedders and head)."""
+    from torch import nn
+    from difftrain.parallel.fsdp import fsdp_units
+
+    dit = build_dit(P, init="default", seed=0)
+    blocks = [*dit.double_blocks, *dit.single_blocks]
+    assert fsdp_units(dit) == [*blocks, dit]
+    units = fsdp_units(nn.ModuleDict({"dit": dit}), "layer")
+    linears = [m for b in blocks for m in b.modules() if isinstance(m, nn.Linear)]
+    assert len(units) == len(linears) + len(blocks) + 1 and units[-1] is dit
+    assert set(map(id, units)) == set(map(id, [*linears, *blocks, dit]))
+    for b in blocks:       # each block's linear layers come before the block itself
+        assert all(units.index(m) < units.index(b) for m in b.modules() if isinstance(m, nn.Linear))
+    # what a block keeps once its linear layers are units of their own: only its QK-norm scales
+    own = {n for b in blocks for n, _ in b.named_parameters() if not any(n.startswith(p) for p, m in
+           b.named_modules() if isinstance(m, nn.Linear) and p)}
+    assert own and all(n.endswith(("query_norm", "key_norm")) for n in own)
+    with pytest.raises(ValueError, match="granularity 'tensor'"):
+        fsdp_units(dit, "tensor")

@@ -56,7 +56,7 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     model = build_model(cfg, text, ae, "meta" if sharded else device)
     if sharded:
         from difftrain.parallel import parallelize
-        units, _ = parallelize(model, _inference_config(cfg), env, None)
+        units, _ = parallelize(model, _inference_config(cfg), env, None, granularity="layer")
         for unit in units:          # no backward follows: the root (embedders, head) need not stay gathered either
             unit.set_reshard_after_forward(True)
         model["dit"].to_empty(device=device)

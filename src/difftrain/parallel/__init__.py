@@ -19,10 +19,11 @@ from difftrain.parallel.fsdp import apply_fsdp, replicated_params
 log = logging.getLogger("difftrain.parallel")
 
 
-def parallelize(model: nn.ModuleDict, cfg: Config, env: ParallelEnv, param_dtype: torch.dtype | None
-                ) -> tuple[list, list]:
+def parallelize(model: nn.ModuleDict, cfg: Config, env: ParallelEnv, param_dtype: torch.dtype | None,
+                granularity: str = "block") -> tuple[list, list]:
     """Wrap ``model`` ({"dit", "text"?}) in place for ``env``. Returns the FSDP units and the replicated
-    trainable parameters whose gradients the trainer all-reduces (both empty in a world of one)."""
+    trainable parameters whose gradients the trainer all-reduces (both empty in a world of one).
+    ``granularity``: the FSDP units ('block' to train, 'layer' to sample; ``fsdp.fsdp_units``)."""
     dit = model["dit"]
     if env.cp > 1:
         apply_cp(dit, env.cp, env.cp_group)
@@ -31,7 +32,7 @@ def parallelize(model: nn.ModuleDict, cfg: Config, env: ParallelEnv, param_dtype
     units, replicated = [], []
     mesh = env.fsdp_mesh()
     if mesh is not None:
-        units = apply_fsdp(model, mesh, param_dtype, cpu_offload=cfg.parallel.cpu_offload)
+        units = apply_fsdp(model, mesh, param_dtype, cpu_offload=cfg.parallel.cpu_offload, granularity=granularity)
         replicated = replicated_params(model)
     if env.is_main:
         log.info("parallelize: cp %d, activation checkpointing %s (%d blocks), compiled %d blocks, %d FSDP units",

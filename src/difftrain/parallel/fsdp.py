@@ -33,10 +33,18 @@ def mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules that become FSDP units, innermost first (the order ``apply_fsdp`` wraps them in)."""
+def fsdp_units(model: nn.Module, granularity: str = "block") -> list[nn.Module]:
+    """The modules that become FSDP units, innermost first (the order ``apply_fsdp`` wraps them in).
+    'block': every double- and single-stream block, then the DiT root (training). 'layer': every linear layer
+    of the blocks as a unit of its own before its block (sampling: with no backward to overlap, the memory
+    gathered at once is the largest linear layer, about a sixth of a double block, not a block and the next)."""
+    if granularity not in ("block", "layer"):
+        raise ValueError(f"FSDP granularity {granularity!r}: expected 'block' or 'layer'")
     dit = model["dit"] if isinstance(model, nn.ModuleDict) else model
-    return [*dit.double_blocks, *dit.single_blocks, dit]
+    blocks = [*dit.double_blocks, *dit.single_blocks]
+    if granularity == "layer":
+        return [*(m for b in blocks for m in [*(x for x in b.modules() if isinstance(x, nn.Linear)), b]), dit]
+    return [*blocks, dit]
 
 
 def replicated_params(model: nn.Module) -> list[nn.Parameter]:
@@ -64,12 +72,12 @@ def all_reduce_grads(params: list[nn.Parameter]) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               cpu_offload: bool = False) -> list[FSDPModule]:
+               cpu_offload: bool = False, granularity: str = "block") -> list[FSDPModule]:
     """Shard the DiT of ``model`` (an ``MMDiT`` or ``{"dit", "text"?}`` ModuleDict) in place over ``mesh``
-    (1-D: FSDP; 2-D (replicate, shard): HSDP). Returns the FSDP units, innermost first."""
+    (1-D: FSDP; 2-D (replicate, shard): HSDP). Returns the FSDP units, innermost first (``fsdp_units``)."""
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision(param_dtype),
               "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
-    units = fsdp_units(model)
+    units = fsdp_units(model, granularity)
     for unit in units:
         # The root (the DiT's embedders and head) is needed again at the start of backward: keep it
         # gathered; blocks are freed after their forward (ZeRO-3).
