@@ -5,13 +5,14 @@ hidden size of 1152 with FLUX's head size, 6 double and 12 single blocks) is che
 Prints one JSON object: ``params``, ``weight_bytes`` (fp32), ``baseline_rss_mb`` (the process after imports),
 ``peak_rss_mb`` (its peak), ``peak_anon_mb`` (the peak of its anonymous memory, sampled every 5 ms),
 ``peak_over_weights_1rank`` = (peak anonymous - baseline anonymous) / weight bytes (target <= 1.3: the weights
-once, plus what building and sampling need) and ``peak_rss_over_weights_1rank``, the same from the RSS peak,
-which also counts the checkpoint files' pages that safetensors maps while reading (page cache, not the
-process's own memory), ``load_s``, ``sample_s``. Then the same under ``torchrun --nproc-per-node 2`` (gloo, the
-model sharded with FSDP2, every linear layer a unit): ``peak_over_weights_2rank`` = the larger of the two ranks' anonymous
-growth over the whole model's weight bytes (target <= 0.8: half the weights, plus a layer gathered at a time
-and what sampling needs), run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (see ``MMAP_THRESHOLD``), and
-``peak_over_weights_2rank_default_malloc`` without it; ``load_s_2rank``, ``sample_s_2rank``.
+once, plus what building and sampling need) and ``peak_rss_over_weights_1rank``, the same from the RSS peak
+(the checkpoint is read with plain reads, ``difftrain.train.reader``: no file pages are mapped, so the two
+agree), ``load_s``, ``sample_s``. Then the same under ``torchrun --nproc-per-node 2`` (gloo, the model
+sharded with FSDP2, every linear layer a unit): ``peak_over_weights_2rank`` = the larger of the two ranks'
+anonymous growth over the whole model's weight bytes (target <= 0.8: half the weights, plus a layer gathered
+at a time and what sampling needs) and ``peak_rss_over_weights_2rank`` from the RSS peaks, run with
+``MALLOC_MMAP_THRESHOLD_=1048576`` (see ``MMAP_THRESHOLD``), and ``peak_over_weights_2rank_default_malloc``
+without it; ``load_s_2rank``, ``sample_s_2rank``.
 
     python bench/sample_memory.py [--dir DIR] [--hidden 1152]
 """
@@ -111,6 +112,8 @@ def main() -> None:
                       "peak_over_weights_2rank": round(grown2 / out["weight_bytes"], 3),
                       "malloc_mmap_threshold": MMAP_THRESHOLD,
                       "peak_over_weights_2rank_default_malloc": round(grown2_default / out["weight_bytes"], 3),
+                      "peak_rss_over_weights_2rank": round(max(r["peak_rss"] - r["baseline_rss"] for r in ranks)
+                                                           / out["weight_bytes"], 3),
                       "peak_anon_mb_by_rank": [round(r["peak_anon"] / 2**20) for r in ranks],
                       "load_s_2rank": max(r["load_s"] for r in ranks),
                       "sample_s_2rank": max(r["sample_s"] for r in ranks)}))

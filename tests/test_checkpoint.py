@@ -309,3 +309,68 @@ def test_a_shard_a_rank_wrote_but_the_listing_lacks_is_not_sealed(tmp_path, monk
     with pytest.raises(OSError, match="model-00002-of-00002.safetensors written by a rank but not in the directory"):
         ck.save(2, m, opt, None, {"loader": {}}, blocking=True)
     assert ck.latest() == first
+
+
+def test_plain_reader_reads_rows_and_names_a_truncated_file(tmp_path):
+    """Checkpoints are read with plain reads (no memory map): a request's rows, the other slices applied in
+    memory, every dtype the trainer writes; a file cut short names the tensor that runs past its end."""
+    from safetensors.torch import save_file
+    from difftrain.train.reader import SafetensorsFile
+
+    ts = {"a": torch.randn(7, 5, 3), "b": torch.randn(4).to(torch.bfloat16), "s": torch.tensor(3.5),
+          "i": torch.arange(10)}
+    path = tmp_path / "x.safetensors"
+    save_file(ts, str(path))
+    with SafetensorsFile(path) as f:
+        assert torch.equal(f.read("a"), ts["a"])
+        assert torch.equal(f.read("a", (slice(2, 5), slice(1, 3), slice(0, 3))), ts["a"][2:5, 1:3])
+        assert torch.equal(f.read("b"), ts["b"]) and f.read("b").dtype == torch.bfloat16
+        assert torch.equal(f.read("s"), ts["s"]) and torch.equal(f.read("i", (slice(3, 9),)), ts["i"][3:9])
+        with pytest.raises(KeyError, match="no tensor 'c'"):
+            f.read("c")
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    with SafetensorsFile(path) as f, pytest.raises(ValueError, match=r"x.safetensors: tensor '.' ends past the end"):
+        for name in ts:
+            f.read(name)
+
+
+def test_loading_a_model_maps_no_file_pages(tmp_path):
+    """``load_tensors`` reads into the model's own parameters without mapping the checkpoint's files: none of
+    them is among the process's mappings while the load reads (it would be with safetensors' safe_open)."""
+    import torch.distributed.checkpoint as dcp
+    from difftrain.train import reader
+
+    dcp.save({"model.w": torch.randn(64, 32), "model.b": torch.randn(32)},
+             storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path / "ck")))
+    seen = []
+    orig = reader.SafetensorsFile.read
+
+    def spy(self, name, slices=(), out=None):
+        seen.append(Path("/proc/self/maps").read_text().count(str(tmp_path / "ck")))
+        return orig(self, name, slices, out)
+
+    reader.SafetensorsFile.read = spy
+    try:
+        into = {"model.w": torch.zeros(64, 32), "model.b": torch.zeros(32)}
+        dcp.load(into, storage_reader=reader.PlainReader(str(tmp_path / "ck")))
+    finally:
+        reader.SafetensorsFile.read = orig
+    assert len(seen) == 2 and seen == [0, 0]
+    assert into["model.w"].abs().sum() > 0
+
+
+def test_plain_reader_reads_straight_into_a_matching_destination(tmp_path):
+    from safetensors.torch import save_file
+    from difftrain.train.reader import SafetensorsFile
+
+    a = torch.randn(6, 4)
+    save_file({"a": a}, str(tmp_path / "x.safetensors"))
+    with SafetensorsFile(tmp_path / "x.safetensors") as f:
+        out = torch.zeros(3, 4)
+        assert f.read("a", (slice(2, 5), slice(0, 4)), out=out) is out and torch.equal(out, a[2:5])
+        other = torch.zeros(3, 4, dtype=torch.bfloat16)        # another dtype: read, then copied by the caller
+        got = f.read("a", (slice(2, 5), slice(0, 4)), out=other)
+        assert got is not other and torch.equal(got, a[2:5]) and other.abs().sum() == 0
+        part = torch.zeros(3, 2)                                # not whole rows: sliced in memory
+        assert torch.equal(f.read("a", (slice(2, 5), slice(1, 3)), out=part), a[2:5, 1:3])

@@ -274,8 +274,10 @@ def _stream(ckpt: Path, prefix: str, sources: dict[str, Any], plan: _Plan, dtype
             file_meta: dict[str, str], group_bytes: int) -> int:
     """Read the plan's sources group by group (full tensors, from every shard) and append the converted
     tensors to the safetensors file ``path``; returns the bytes of tensor data written."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+    from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from difftrain.train.reader import PlainReader
 
     src_dtype = {k: sources[k].properties.dtype for k in plan.sources}
     out_dtype = {s: dtype if d.is_floating_point else d for s, d in src_dtype.items()}
@@ -284,7 +286,7 @@ def _stream(ckpt: Path, prefix: str, sources: dict[str, Any], plan: _Plan, dtype
         for group in _groups(plan.sources, sources, group_bytes):
             state = {f"{prefix}.{k}": torch.empty(tuple(sources[k].size), dtype=src_dtype[k]) for k in group}
             try:
-                _quiet(load, state, storage_reader=HuggingFaceStorageReader(str(ckpt)))
+                _quiet(load, state, storage_reader=PlainReader(str(ckpt)))
             except (Exception, CheckpointException) as e:   # CheckpointException is a BaseException
                 detail = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
                 raise UserError(f"{ckpt}: cannot read {prefix}.{group[0]}{' ...' if len(group) > 1 else ''} "

@@ -45,12 +45,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from difftrain.errors import UserError
 from difftrain.train import faults, phases
+from difftrain.train.reader import PlainReader
 from difftrain.train.verification import (CHUNK as _CHUNK, MARKER, Digest, file_digest, marker_files as _marker_files,
                                           read_sidecar, share_bytes, verify, verify_shares, write_sidecar)
 
@@ -618,7 +619,7 @@ def _describe(e: BaseException) -> str:
 def _load_or_explain(want: dict[str, Tensor], path: Path) -> None:
     """dcp.load, with a mismatch (missing key, other shape) reported as one line naming the tensor."""
     try:
-        _quiet(dcp.load, want, storage_reader=HuggingFaceStorageReader(str(path)))
+        _quiet(dcp.load, want, storage_reader=PlainReader(str(path)))
     except (Exception, CheckpointException) as e:   # CheckpointException is a BaseException
         raise UserError(f"{path}: checkpoint does not match this model/config ({_describe(e)})") from None
 
