@@ -31,6 +31,7 @@ class Batch:
     meta: list[dict] = field(default_factory=list)   # per-example facts for evaluation and logging
     sample_ids: list[int] = field(default_factory=list)  # the examples' ids (what noise and timesteps are drawn from)
     text: TextEmbedding | None = None   # precomputed by frozen encoders (the latent store); else from ``tokens``
+    pairs: int = 0                 # a preference-pair batch: rows [0, pairs) winners, [pairs, 2 pairs) their losers
 
     def _map(self, fn) -> "Batch":
         text = None if self.text is None else TextEmbedding(fn(self.text.txt_BTD), fn(self.text.pooled_BP),

@@ -245,6 +245,16 @@ def all_reduce_sum_on_device(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows (the same count on each), concatenated in rank order, on the device (no host sync;
+    the tensor itself in a world of one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rows
+    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, rows.contiguous())
+    return torch.cat(parts)
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum scalars over all ranks in one collective (a no-op in a world of one)."""
     if not dist.is_initialized():

@@ -17,7 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.data.batch import Batch
-from difftrain.diffusion.flow import FlowSpec, draw_t_and_noise, flow_loss, loss_weight, noisy_input, to_velocity
+from difftrain.diffusion.dpo import dpo_terms, summarize
+from difftrain.diffusion.flow import (FlowSpec, draw_t_and_noise, flow_loss, loss_weight, noisy_input, per_sample_error,
+                                     to_velocity)
 from difftrain.diffusion.pipeline import autocast
 from difftrain.models.text import TextEmbedding, real_lengths
 from difftrain.parallel.cp import shard_sequence
@@ -29,6 +31,7 @@ class MicroLoss:
     loss: Tensor          # this micro-batch's contribution to the step's loss (already divided by the global count)
     tokens: int           # real (unpadded) tokens it trained on
     flops: float          # its training FLOPs
+    stats: Tensor | None = None   # per-example statistics the objective logs (rows gathered over ranks), detached
 
 
 class Denoiser:
@@ -100,8 +103,9 @@ class Objective(Protocol):
     def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float | Tensor) -> MicroLoss:
         """One micro-batch's loss contribution, for optimizer step ``step`` (0-based)."""
 
-    def metrics(self, loss: float, task: str) -> dict[str, float]:
-        """The values it logs for a step, by name, from the step's reduced loss."""
+    def metrics(self, loss: float, task: str, stats: Tensor | None = None) -> dict[str, float]:
+        """The values it logs for a step, by name, from the step's reduced loss (and, for an objective whose
+        ``MicroLoss`` carries ``stats``, their rows from every micro-batch and rank)."""
 
 
 class FlowMatching:
@@ -131,5 +135,62 @@ class FlowMatching:
         loss = flow_loss(v, x0, eps, mask, loss_weight(t, self.spec.loss), normalizer=normalizer)
         return MicroLoss(loss, *model.cost(batch))
 
-    def metrics(self, loss: float, task: str) -> dict[str, float]:
+    def metrics(self, loss: float, task: str, stats: Tensor | None = None) -> dict[str, float]:
         return {"loss": loss, f"loss_{task}": loss}
+
+
+class DiffusionDPO:
+    """Diffusion-DPO (``difftrain.diffusion.dpo``) on batches of preference pairs. Winner and loser share t and
+    eps: both are drawn from the pair's id (``Batch.sample_ids`` holds it for both rows) with the step and seed.
+    A step's loss is the sum of its pairs' losses divided by its global pair count (``count``: pairs, summed
+    over micro-batches and ranks), so a pair never splits and N ranks compute what one computes. ``reference``
+    is a ``Denoiser`` of the frozen reference (a copy of the starting weights, or the policy with its LoRA
+    adapters disabled); its forward runs without gradient, before the policy's. ``sft_weight`` adds the
+    winners' flow error (the same per-sample mean) to each pair's loss."""
+
+    name = "dpo"
+    batch_kind = "pairs"
+
+    def __init__(self, spec: FlowSpec, beta: float, reference, sft_weight: float = 0.0):
+        if beta <= 0:
+            raise ValueError(f"dpo.beta = {beta}: expected > 0")
+        self.spec, self.beta, self.reference, self.sft_weight = spec, beta, reference, sft_weight
+
+    def count(self, batch: Batch) -> float:
+        return float(batch.pairs)
+
+    def errors(self, model, b: Batch, xt: Tensor, t: Tensor, eps: Tensor) -> Tensor:
+        """Per-sample flow errors of ``model`` (a ``Denoiser``) on the pair batch's noisy tokens."""
+        emb = model.embed_text(b)
+        out, _ = model(b, xt, t, emb)
+        v = to_velocity(out.float(), xt, t, self.spec.prediction)
+        e = per_sample_error(v, b.x0_BLC, eps, b.loss_mask_BL)
+        w = loss_weight(t, self.spec.loss)
+        return e if w is None else e * w
+
+    def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float | Tensor) -> MicroLoss:
+        if not batch.pairs or len(batch) != 2 * batch.pairs:
+            raise ValueError(f"DiffusionDPO needs a pair batch (winners then losers), got {len(batch)} rows and "
+                             f"{batch.pairs} pairs")
+        if model.cp > 1:
+            raise ValueError("DiffusionDPO compares whole samples' errors: context parallelism is not supported")
+        b = model.on_device(batch)
+        _, H, W = b.grid
+        t, eps = draw_t_and_noise(self.spec, seed, step, b.sample_ids, tuple(b.x0_BLC.shape[1:]),
+                                  (H // 2) * (W // 2), model.device)
+        xt = noisy_input(b.x0_BLC, eps, t, b.loss_mask_BL)
+        with torch.no_grad():
+            e_ref = self.errors(self.reference, b, xt, t, eps)
+        e = self.errors(model, b, xt, t, eps)
+        terms = dpo_terms(e, e_ref, self.beta)
+        total = terms.loss_P.sum()
+        if self.sft_weight:
+            total = total + self.sft_weight * e[:batch.pairs].sum()
+        tokens, flops = model.cost(batch)
+        return MicroLoss(total / normalizer, tokens, flops * 4 / 3, terms.stats)   # + the reference's forward
+
+    def metrics(self, loss: float, task: str, stats: Tensor | None = None) -> dict[str, float]:
+        out = {"loss": loss, f"loss_{task}": loss}
+        if stats is not None:
+            out.update(summarize(stats))
+        return out

@@ -33,8 +33,8 @@ from difftrain.models import build_autoencoder, build_dit, build_text_encoder, d
 from difftrain.parallel import parallelize
 from difftrain.parallel.compile import compile_count, use_compile_cache
 from difftrain.parallel.cp import cp_disabled
-from difftrain.parallel.dist import ParallelEnv, all_reduce_sum, all_reduce_sum_on_device, batch_split, \
-    init_distributed, set_collective_timeout
+from difftrain.parallel.dist import ParallelEnv, all_gather_rows, all_reduce_sum, all_reduce_sum_on_device, \
+    batch_split, init_distributed, set_collective_timeout
 from difftrain.parallel.flops import mfu, peak_flops
 from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
 from difftrain.train import faults, phases
@@ -63,6 +63,7 @@ class StepStats:
     fwd_bwd_s: float = 0.0
     optim_s: float = 0.0
     wait_s: float = 0.0      # time in the step's explicit collectives (a straggler waits least)
+    rows: torch.Tensor | None = None   # the objective's per-example statistics, every rank's (on the device)
 
 
 @dataclass
@@ -275,7 +276,8 @@ class Trainer:
                  "ema_updates": self.ema.updates if self.ema else 0, "config": to_dict(self.cfg),
                  "world_size": self.env.world,
                  "text_encoder": getattr(self.text_encoder, "extra_state", lambda: {"kind": "hf"})(),
-                 "num_params": {"dit": num_params(self.dit), "total": num_params(self.model)}}
+                 "num_params": {"dit": num_params(self.dit), "total": num_params(self.model)},
+                 **self._extra_state()}
         if self.watchdog is not None:
             self.watchdog.beat(self.step, "checkpoint")
         self.last_save = self.checkpointer.save(self.step, self.model, self.optimizer, self.ema, extra, blocking)
@@ -303,6 +305,7 @@ class Trainer:
         normalizer = (counts[0] / self.env.cp).clamp(min=1.0).float()
         total = torch.zeros((), device=self.device)
         tokens = flops = 0.0
+        rows = []                 # an objective's per-example statistics (DPO's per-pair figures)
         poison = faults.nan_at(self.step + 1)
         for i, batch in enumerate(batches):
             set_gradient_sync(self.fsdp_units, i == len(batches) - 1, self.cfg.parallel.grad_sync)
@@ -313,6 +316,8 @@ class Trainer:
                 loss.backward()
             total += loss.detach()
             tokens, flops = tokens + micro.tokens, flops + micro.flops
+            if micro.stats is not None:
+                rows.append(micro.stats)
         with phases.phase("backward"):
             all_reduce_grads(self.replicated)
             # The optimizer's parameters are the sharded ones; a unit left gathered would name other tensors.
@@ -339,8 +344,11 @@ class Trainer:
                     self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
         cp = self.env.cp
+        # Every rank's rows, left on the device: they come to the host only on the steps that log them.
+        gathered = all_gather_rows(torch.cat(rows)) if rows else None
         return StepStats(loss_sum, gnorm, lr, int(tokens / cp), int(n_samples / cp), flops / cp, skipped, stop > 0,
-                         fwd_bwd_s=t1 - t0 - (wait - (t2 - t1)), optim_s=time.perf_counter() - t2, wait_s=wait)
+                         fwd_bwd_s=t1 - t0 - (wait - (t2 - t1)), optim_s=time.perf_counter() - t2, wait_s=wait,
+                         rows=gathered)
 
     # --- the loop: its phases -----------------------------------------------------------------------
     def fit(self, on_step=None) -> dict:
@@ -366,7 +374,19 @@ class Trainer:
                 break
             self._checkpoint()
             self._log_step(stats, fetched)
+            if self._stop_early():
+                break
         return self._finish(preempted, stats, last, t_start)
+
+    # --- what a trainer of another objective adds (DPO: its reference, validation and early stopping) ------
+    def _extra_state(self) -> dict:
+        """More of the trainer's state for the checkpoint's metadata."""
+        return {}
+
+    def _stop_early(self) -> bool:
+        """After a step (logged and checkpointed as due): end the run now, as if its step count were reached.
+        Every rank must return the same."""
+        return False
 
     def _begin(self) -> None:
         self.tokens_seen = 0
@@ -446,7 +466,7 @@ class Trainer:
         if not (force or saved_now or self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps):
             return
         batch, total_s = fetched.batches[0], fetched.data_s + fetched.step_s
-        values = {"time": round(time.time(), 3), **self.objective.metrics(stats.loss, batch.task),
+        values = {"time": round(time.time(), 3), **self.objective.metrics(stats.loss, batch.task, stats.rows),
                   "grad_norm": round(stats.grad_norm, 4), "lr": stats.lr, "task": batch.task,
                   "seq": _seq(batch), "shapes": sorted({(b.task, *_seq(b)) for b in fetched.batches}),
                   "data_s": round(fetched.data_s, 4), "step_s": round(fetched.step_s, 4),
