@@ -60,6 +60,50 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this port (local rank r: port + r); sets train.metrics_port")
     _add_set(p)
 
+    p = sub.add_parser("dpo", help="Diffusion-DPO from a checkpoint on a pairs file (the [dpo] section); rerun on "
+                                   "the same run directory to resume",
+                       description="Diffusion-DPO on the trainer: the policy starts from dpo.init, the reference is "
+                                   "a frozen copy of it, the data is dpo.pairs (see docs/dpo.md).")
+    p.add_argument("config", help="config path or preset name")
+    p.add_argument("--run-dir", default=None, help="run directory (default: run.out_dir/run.name)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="refuse to start if the run directory already holds a checkpoint")
+    p.add_argument("--allow-config-change", nargs="+", default=[], metavar="KEY",
+                   help="config keys (or sections) that may differ from the checkpoint's when resuming")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (local rank r: port + r); sets train.metrics_port")
+    _add_set(p)
+
+    p = sub.add_parser("candidates", help="K candidates per prompt from a checkpoint, with a manifest (resumable)",
+                       description="K candidates per prompt (text-to-image, edits, keyframes) for raters and DPO; "
+                                   "rerun the same command to finish a killed run (see docs/dpo.md).")
+    p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
+    p.add_argument("prompts", help="a .txt file (one prompt a line) or .jsonl (prompt, task, source, frames, id)")
+    p.add_argument("--k", type=int, default=4, help="candidates per prompt (default 4)")
+    p.add_argument("--out", required=True, help="the candidates folder (manifest.json, candidates.jsonl, images/)")
+    p.add_argument("--seed", type=int, default=0, help="noise seeds are drawn from (seed, prompt id, k)")
+    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: sample.steps)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
+    p.add_argument("--batch", type=int, default=16, help="images generated together (default 16)")
+    p.add_argument("--raw-weights", action="store_true", help="the raw weights instead of the EMA")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("pairs", help="rankings of candidates (or a Pick-a-Pic file) -> preference pairs (Parquet)",
+                       description="Preference pairs for 'difftrain dpo': majority over raters, ties dropped, "
+                                   "split by prompt (see docs/dpo.md).")
+    p.add_argument("rankings", help="rankings JSONL (prompt_id, rater, order), or a Pick-a-Pic Parquet file with "
+                                    "--pickapic")
+    p.add_argument("--candidates", default=None, help="the candidates folder the rankings rank")
+    p.add_argument("--out", required=True, help="the pairs file to write (.parquet)")
+    p.add_argument("--mode", default="all", choices=("all", "best-worst"),
+                   help="every ranked pair of a prompt's candidates, or its best against its worst")
+    p.add_argument("--validation", type=float, default=0.1, help="share of prompts held out (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+    p.add_argument("--pickapic", action="store_true", help="the input is in the Pick-a-Pic layout")
+    p.add_argument("--image-size", type=int, default=0,
+                   help="with --pickapic: centre-crop and resize images to this size (0 = as they are)")
+
     p = sub.add_parser("export", help="consolidated safetensors weights (EMA or raw) and config from a checkpoint",
                        description="Write a checkpoint's weights as one safetensors file with its config, from "
                                    "any number of shards; or a diffusers FluxTransformer2DModel folder.")
@@ -194,7 +238,10 @@ def cmd_train(args) -> int:
     from difftrain.config import load_config
     from difftrain.parallel.dist import init_distributed, shutdown
     from difftrain.progress import run_training
-    from difftrain.train import build_trainer
+    if args.verb == "dpo":
+        from difftrain.train.dpo import build_dpo_trainer as build_trainer
+    else:
+        from difftrain.train import build_trainer
 
     overrides = list(args.overrides)
     if args.metrics_port is not None:
@@ -224,6 +271,36 @@ def cmd_train(args) -> int:
         del trainer, env
         gc.collect()
     return cfg.health.preempt_exit_code if summary.get("preempted") else 0
+
+
+def cmd_candidates(args) -> int:
+    from difftrain.align.candidates import generate
+    from difftrain.parallel.dist import rank_world, shutdown
+
+    clean = False
+    try:
+        summary = generate(args.checkpoint, args.prompts, args.k, args.out, seed=args.seed, steps=args.steps,
+                           cfg_scale=args.cfg_scale, batch=args.batch, raw_weights=args.raw_weights,
+                           progress=not args.no_progress)
+        clean = True
+    finally:
+        shutdown(clean)
+    if rank_world()[0] == 0:
+        print(json.dumps(summary))
+    return 0
+
+
+def cmd_pairs(args) -> int:
+    from difftrain.align.pairs import make_pairs, pickapic_pairs
+
+    if args.pickapic:
+        summary = pickapic_pairs(args.rankings, args.out, args.validation, args.seed, args.image_size)
+    else:
+        if not args.candidates:
+            raise UserError("--candidates DIR is needed: the candidates folder the rankings rank")
+        summary = make_pairs(args.rankings, args.candidates, args.out, args.mode, args.validation, args.seed)
+    print(json.dumps(summary))
+    return 0
 
 
 def cmd_export(args) -> int:
@@ -379,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         warnings.showwarning = _short_warnings
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo,
+    verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "dpo": cmd_train, "candidates": cmd_candidates,
+             "pairs": cmd_pairs, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo,
              "prepare": cmd_prepare, "shapes": cmd_shapes, "export": cmd_export, "report": cmd_report}
     try:
         return verbs[args.verb](args)

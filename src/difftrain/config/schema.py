@@ -286,6 +286,36 @@ class HealthConfig:
 
 
 @dataclass
+class DPOConfig:
+    init: str = meta("the checkpoint DPO starts from (a checkpoint directory or a run directory: its newest); the "
+                     "reference is the same weights, frozen", default="")
+    use_ema: bool = meta("start from the checkpoint's EMA weights when it has them (what sample and eval use)",
+                         default=True)
+    pairs: str = meta("the preference pairs file 'difftrain pairs' wrote (Parquet); its images are encoded once, "
+                      "into PAIRS.encoded/, before the first step", default="")
+    beta: float = meta("beta of softplus(beta / 2 x delta), delta the winner's minus the loser's policy-minus-"
+                       "reference error, each the mean over the sample's loss tokens (with that reduction flow "
+                       "recipes use 100-2000)", gt=0, default=2000.0)
+    sft_weight: float = meta("weight of an added flow-matching term on the winners (0 = off)", ge=0, default=0.0)
+    reference: str = meta("'copy': a frozen copy of the starting weights, sharded like the policy (bf16 on GPUs, no "
+                          "optimizer state, no EMA); 'lora': LoRA adapters (peft) on the DiT are trained and the "
+                          "reference is the DiT with its adapters disabled", choices=("copy", "lora"),
+                          default="copy")
+    lora_rank: int = meta("LoRA rank (reference = 'lora')", ge=1, default=16)
+    lora_alpha: float = meta("LoRA alpha (scale alpha / rank)", gt=0, default=16.0)
+    lora_targets: list[str] = meta("the DiT's linear layers LoRA adapts, by name suffix",
+                                   factory=lambda: ["qkv", "proj", "linear1", "linear2", "img_mlp.0", "img_mlp.2",
+                                                    "txt_mlp.0", "txt_mlp.2"])
+    lora_export: str = meta("what the end-of-run export holds with LoRA: 'merge' (the adapted weights, a plain "
+                            "model) or 'adapter' (the base and the adapter apart)", choices=("merge", "adapter"),
+                            default="merge")
+    validation_every: int = meta("steps between validation passes over the pairs file's validation split "
+                                 "(implicit accuracy; 0 = off)", ge=0, default=0)
+    patience: int = meta("stop once validation implicit accuracy has not improved for this many passes (0 = never "
+                         "stop early)", ge=0, default=0)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -298,3 +328,4 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)

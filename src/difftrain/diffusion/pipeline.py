@@ -74,12 +74,18 @@ class Pipeline:
                         self.text_encoder.tokenize(prompts), prompts, task or ("keyframes" if frames > 1 else "t2i"))
 
     def sample(self, batch: Batch, steps: int = 20, cfg_scale: float = 4.0, shift: float | None = None,
-               seed: int = 0, rows: slice | None = None) -> Tensor:
+               seed: int = 0, rows: slice | None = None, noise: Tensor | None = None) -> Tensor:
         """Generate the target frames of ``batch`` (its conditioning frames are kept); latents (B, F, C, H, W).
-        ``rows``: generate only those examples, with the noise they get when the whole batch is generated."""
+        ``rows``: generate only those examples, with the noise they get when the whole batch is generated.
+        ``noise``: the initial noise of every example instead (B, L, C), e.g. each drawn from its own seed."""
         batch = batch.to(self.device)
-        noise = None
-        if rows is not None:
+        if noise is not None:
+            if tuple(noise.shape) != tuple(batch.x0_BLC.shape):
+                raise ValueError(f"noise {tuple(noise.shape)} for a batch of {tuple(batch.x0_BLC.shape)}")
+            noise = noise.to(self.device, torch.float32)
+            if rows is not None:
+                noise, batch = noise[rows], batch.rows(rows)
+        elif rows is not None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
             noise = torch.randn(batch.x0_BLC.shape, generator=gen, device=self.device, dtype=torch.float32)[rows]
             batch = batch.rows(rows)

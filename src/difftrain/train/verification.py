@@ -171,3 +171,11 @@ def marker_files(p: Path) -> dict | None:
         return files if isinstance(files, dict) and files else None
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None
+
+
+def checkpoint_digest(path: str | Path) -> str:
+    """A checkpoint's identity: the SHA-256 of its completion marker, which lists every file's size and checksum
+    (the same files give the same digest wherever they are copied)."""
+    import hashlib
+
+    return hashlib.sha256((Path(path) / MARKER).read_bytes()).hexdigest()

@@ -1,0 +1,1 @@
+"""Aligning a model with human preference: candidates, preference pairs, the round loop."""

@@ -1,0 +1,237 @@
+"""Candidates, preference pairs and ``difftrain dpo`` through the CLI, on a tiny model of the shapes world: the
+candidates' manifest and resume, pairs by majority, DPO on 1 and 2 gloo ranks (the same weights), a kill mid-DPO
+resuming exactly, and bad input refused before any work, naming the file, row or key."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from difftrain.config import load_config, to_toml
+
+from conftest import TINY
+
+pytestmark = pytest.mark.slow
+
+BASE = TINY + ["train.steps=20", "train.checkpoint_every=10", "train.keep_checkpoints=3", "train.threads=1"]
+
+
+def _cli(args: list[str], cwd: Path, ranks: int = 1, faults: str = "", check: bool = True,
+         restarts: int = 0) -> subprocess.CompletedProcess:
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               f"--max-restarts={restarts}"] if ranks > 1 or restarts else [sys.executable])
+    proc = subprocess.run(launch + ["-m", "difftrain", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_FAULTS": faults})
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _light_rankings(cands: Path, out: Path, contrary: set[str] = frozenset()) -> None:
+    """An automatic rater preferring a lighter background (the mean of the image's border); a second rater
+    agrees except on the prompts in ``contrary``, where it ranks the other way."""
+    rows = [json.loads(x) for x in (cands / "candidates.jsonl").read_text().splitlines()]
+    by: dict[str, list] = {}
+    for r in rows:
+        img = np.asarray(Image.open(cands / r["image"]).convert("RGB"), dtype=np.float64)
+        light = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]]).mean()
+        by.setdefault(r["prompt_id"], []).append((light, r["id"]))
+    with out.open("w") as f:
+        for pid, xs in by.items():
+            order = [c for _, c in sorted(xs, reverse=True)]
+            f.write(json.dumps({"prompt_id": pid, "rater": "a", "order": order}) + "\n")
+            f.write(json.dumps({"prompt_id": pid, "rater": "b", "order": order[::-1] if pid in contrary else order})
+                    + "\n")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo")
+    (d / "base.toml").write_text(to_toml(load_config(None, BASE)))
+    _cli(["train", "base.toml", "--run-dir", "base", "--no-progress"], d)
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(d / "source.png")
+    prompts = ["a small red circle in the top left", "a big blue square", "a small green triangle in the bottom right",
+               "a red square in the top right", "a blue circle", "a green circle in the centre"]
+    lines = [json.dumps({"prompt": p}) for p in prompts]
+    lines += [json.dumps({"id": "e1", "prompt": "make it red", "task": "edit", "source": "source.png"}),
+              json.dumps({"id": "k1", "prompt": "a red circle moving right", "task": "keyframes", "frames": 2})]
+    (d / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    out = json.loads(_cli(["candidates", "base", "prompts.jsonl", "--k", "3", "--out", "cands", "--no-progress",
+                           "--batch", "4"], d).stdout.splitlines()[-1])
+    assert out["written"] == 24 and out["skipped"] == 0
+    return d
+
+
+def test_candidates_manifest_seeds_no_metadata_and_resume(world):
+    from difftrain.train.verification import checkpoint_digest
+
+    cands = world / "cands"
+    manifest = json.loads((cands / "manifest.json").read_text())
+    rows = [json.loads(x) for x in (cands / "candidates.jsonl").read_text().splitlines()]
+    assert manifest["digest"] == checkpoint_digest(manifest["checkpoint"]) and manifest["step"] == 20
+    assert manifest["sampler"]["steps"] == 3 and manifest["k"] == 3 and len(manifest["prompts"]) == 8
+    assert {r["task"] for r in rows} == {"t2i", "edit", "keyframes"}
+    assert len({r["noise_seed"] for r in rows}) == 24
+    kf = next(r for r in rows if r["task"] == "keyframes")
+    assert len(kf["frames"]) == 2 and all((cands / f).is_file() for f in kf["frames"])
+    edit = next(r for r in rows if r["task"] == "edit")
+    assert edit["source"].endswith("source.png")
+    with Image.open(cands / rows[0]["image"]) as im:
+        assert im.format == "PNG" and not getattr(im, "text", {}) and set(im.info) <= {"dpi"}
+    # a run killed after 20 candidates: the rest are made on rerun, the same images as in one go
+    before = {r["id"]: (cands / r["image"]).read_bytes() for r in rows}
+    kept = (cands / "candidates.jsonl").read_text().splitlines()[:20]
+    (cands / "candidates.jsonl").write_text("\n".join(kept) + "\n" + '{"id": "torn')
+    for r in rows[20:]:
+        (cands / r["image"]).unlink()
+    out = json.loads(_cli(["candidates", "base", "prompts.jsonl", "--k", "3", "--out", "cands", "--no-progress",
+                           "--batch", "4"], world).stdout.splitlines()[-1])
+    assert out["written"] == 4 and out["skipped"] == 20
+    after = [json.loads(x) for x in (cands / "candidates.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in after) == sorted(before)
+    assert all((cands / r["image"]).read_bytes() == before[r["id"]] for r in after)
+    # another checkpoint on the same prompts and seeds: the same noise seeds (a comparison batch)
+    other = json.loads(_cli(["candidates", "base/checkpoints/step_00000010", "prompts.jsonl", "--k", "3", "--out",
+                             "cands10", "--no-progress"], world).stdout.splitlines()[-1])
+    rows10 = {json.loads(x)["id"]: json.loads(x) for x in (world / "cands10" / "candidates.jsonl").read_text().splitlines()}
+    assert other["digest"] != manifest["digest"]
+    assert all(rows10[r["id"]]["noise_seed"] == r["noise_seed"] for r in after)
+    # the same folder with other settings is refused
+    bad = _cli(["candidates", "base", "prompts.jsonl", "--k", "2", "--out", "cands", "--no-progress"], world, check=False)
+    assert bad.returncode == 2 and "k differ" in bad.stderr
+
+
+def test_pairs_by_majority_with_agreement_split_by_prompt(world):
+    import pyarrow.parquet as pq
+
+    (world / "t2i.jsonl").write_text("".join(line + "\n" for line in
+                                             (world / "prompts.jsonl").read_text().splitlines()[:6]))
+    _cli(["candidates", "base", "t2i.jsonl", "--k", "4", "--out", "c4", "--no-progress"], world)
+    _light_rankings(world / "c4", world / "rankings.jsonl", contrary={"p000002"})
+    out = json.loads(_cli(["pairs", "rankings.jsonl", "--candidates", "c4", "--out", "pairs/all.parquet",
+                           "--validation", "0.3"], world).stdout.splitlines()[-1])
+    # prompt 2's two raters disagree on every pair: all 6 are ties; the other 5 prompts give C(4, 2) = 6 each
+    assert out["pairs"] == 30 and out["ties_dropped"] == 6
+    rows = pq.read_table(world / "pairs" / "all.parquet").to_pylist()
+    assert {r["agreement"] for r in rows} == {1.0} and {r["raters"] for r in rows} == {2}
+    splits = {}
+    for r in rows:
+        splits.setdefault(r["prompt_id"], set()).add(r["split"])
+        assert (world / "pairs" / r["winner_image"]).is_file()
+    assert all(len(s) == 1 for s in splits.values()) and out["validation"] > 0
+    bw = json.loads(_cli(["pairs", "rankings.jsonl", "--candidates", "c4", "--out", "pairs/bw.parquet", "--mode",
+                          "best-worst"], world).stdout.splitlines()[-1])
+    assert bw["pairs"] == 5
+    # unknown candidates are named with their line
+    (world / "bad.jsonl").write_text(json.dumps({"prompt_id": "p000001", "order": ["p000001-0", "nope"]}) + "\n")
+    bad = _cli(["pairs", "bad.jsonl", "--candidates", "c4", "--out", "x.parquet"], world, check=False)
+    assert bad.returncode == 2 and "bad.jsonl:1: unknown candidate 'nope'" in bad.stderr
+
+
+def test_pickapic_layout_is_read_and_ties_dropped(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from difftrain.align.pairs import pickapic_pairs
+    from difftrain.data.pairs import read_pairs
+
+    def jpg(shade):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((40, 48, 3), shade, np.uint8)).save(buf, format="JPEG")
+        return buf.getvalue()
+
+    pq.write_table(pa.table({"caption": ["a", "b", "c"], "jpg_0": [jpg(10), jpg(20), jpg(30)],
+                             "jpg_1": [jpg(200), jpg(210), jpg(220)], "label_0": [1.0, 0.5, 0.0],
+                             "model_0": ["m0", "m0", "m0"], "model_1": ["m1", "m1", "m1"]}), tmp_path / "pap.parquet")
+    out = pickapic_pairs(tmp_path / "pap.parquet", tmp_path / "pairs.parquet", image_size=32)
+    assert out["pairs"] == 2 and out["ties_dropped"] == 1
+    rows = read_pairs(tmp_path / "pairs.parquet")
+    first, last = rows
+    assert first["winner_model"] == "m0" and last["winner_model"] == "m1"
+    with Image.open(tmp_path / first["winner_image"]) as a, Image.open(tmp_path / last["winner_image"]) as b:
+        assert a.size == (32, 32) and np.asarray(a).mean() < 60 and np.asarray(b).mean() > 150
+
+
+def _dpo_cfg(world: Path, name: str, *extra: str) -> str:
+    cfg = load_config(None, TINY + ["train.threads=1", "train.ema_decay=0", "train.steps=6", "train.checkpoint_every=2",
+                                    "train.keep_checkpoints=5", "train.lr=3e-4", "train.warmup_steps=0",
+                                    "train.schedule=constant", "train.global_batch=4", "dpo.init=base",
+                                    "dpo.pairs=pairs/all.parquet", "dpo.beta=200", "dpo.validation_every=3",
+                                    *extra])
+    (world / f"{name}.toml").write_text(to_toml(cfg))
+    return f"{name}.toml"
+
+
+def _weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(run / "export" / "model.safetensors"))
+
+
+def test_dpo_one_and_two_ranks_and_a_kill_give_the_same_weights(world):
+    import torch
+
+    if not (world / "pairs" / "all.parquet").exists():
+        pytest.skip("needs the pairs of test_pairs_by_majority_with_agreement_split_by_prompt")
+    cfg = _dpo_cfg(world, "dpo")
+    _cli(["dpo", cfg, "--run-dir", "d1", "--no-progress"], world)
+    rows = [json.loads(x) for x in (world / "d1" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "implicit_acc" in r]
+    assert steps[0]["step"] == 1 and abs(steps[0]["loss"] - np.log(2)) < 1e-6          # policy = reference
+    assert {"winner_vs_ref", "loser_vs_ref", "beta_delta_p05", "beta_delta_p95"} <= set(steps[-1])
+    assert [r["step"] for r in rows if "val_implicit_acc" in r] == [3, 6]
+    info = json.loads((world / "d1" / "checkpoints" / "step_00000006" / "trainer.json").read_text())
+    assert len(info["dpo"]["reference_digest"]) == 64 and info["loader"]["kind"] == "pairs"
+    one = _weights(world / "d1")
+    ref = _weights(world / "base")
+    assert max(float((one[k] - ref[k]).abs().max()) for k in one) > 0         # DPO moved the weights
+    _cli(["dpo", cfg, "--run-dir", "d2", "--no-progress"], world, ranks=2)
+    two = _weights(world / "d2")
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5
+    # killed before step 5 (after the checkpoint of step 4), restarted by torchrun: the same weights
+    _cli(["dpo", cfg, "--run-dir", "dk", "--no-progress"], world, faults="kill@5", restarts=1)
+    killed = _weights(world / "dk")
+    assert all(torch.equal(one[k], killed[k]) for k in one)
+    events = [json.loads(x) for x in (world / "dk" / "events.jsonl").read_text().splitlines()]
+    assert any(e.get("event", e.get("kind")) == "resume" for e in events)
+    # resuming against another reference is refused: as a config change, and, allowed, by the reference's digest
+    other = _dpo_cfg(world, "other", "dpo.init=base/checkpoints/step_00000010", "train.steps=8")
+    bad = _cli(["dpo", other, "--run-dir", "d1", "--no-progress"], world, check=False)
+    assert bad.returncode == 2 and "dpo.init: 'base' -> 'base/checkpoints/step_00000010'" in bad.stderr
+    bad = _cli(["dpo", other, "--run-dir", "d1", "--no-progress", "--allow-config-change", "dpo.init", "train.steps"],
+               world, check=False)
+    assert bad.returncode == 2 and "resume with the reference it was trained against" in bad.stderr
+
+
+def test_bad_dpo_input_is_refused_before_any_work(world, tmp_path):
+    if not (world / "pairs" / "all.parquet").exists():
+        pytest.skip("needs the pairs of test_pairs_by_majority_with_agreement_split_by_prompt")
+    cases = [
+        (["train.global_batch=64"], "fewer than train.global_batch = 64"),
+        (["model.hidden=64", "model.heads=4"], "another architecture than this config: model.hidden"),
+        (["dpo.pairs=nothing.parquet"], "dpo.pairs = 'nothing.parquet': no such file"),
+        (["dpo.init=nowhere"], "nowhere: no such checkpoint"),
+        (["dpo.beta=-1"], "dpo.beta"),
+    ]
+    for i, (sets, message) in enumerate(cases):
+        try:
+            cfg = _dpo_cfg(world, f"bad{i}", *sets)
+        except Exception as e:                              # refused by the config itself
+            assert message in str(e)
+            continue
+        bad = _cli(["dpo", cfg, "--run-dir", str(tmp_path / f"r{i}"), "--no-progress"], world, check=False)
+        assert bad.returncode == 2 and message in bad.stderr, (sets, bad.stderr[-800:])
+        assert not (tmp_path / f"r{i}" / "checkpoints").exists()
+    (world / "p_bad.jsonl").write_text(json.dumps({"prompt": "x", "task": "paint"}) + "\n")
+    bad = _cli(["candidates", "base", "p_bad.jsonl", "--out", str(tmp_path / "c")], world, check=False)
+    assert bad.returncode == 2 and "p_bad.jsonl:1: task 'paint'" in bad.stderr
+    (world / "p_src.jsonl").write_text(json.dumps({"prompt": "x", "task": "edit", "source": "gone.png"}) + "\n")
+    bad = _cli(["candidates", "base", "p_src.jsonl", "--out", str(tmp_path / "c")], world, check=False)
+    assert bad.returncode == 2 and "p_src.jsonl:1: source image" in bad.stderr and "gone.png not found" in bad.stderr
