@@ -210,6 +210,34 @@ def test_dpo_one_and_two_ranks_and_a_kill_give_the_same_weights(world):
     assert bad.returncode == 2 and "resume with the reference it was trained against" in bad.stderr
 
 
+def test_dpo_with_lora_trains_adapters_only_and_exports_merged_or_apart(world):
+    import torch
+    from safetensors.torch import load_file
+
+    if not (world / "pairs" / "all.parquet").exists():
+        pytest.skip("needs the pairs of test_pairs_by_majority_with_agreement_split_by_prompt")
+    lora = ["dpo.reference=lora", "dpo.lora_rank=4", "dpo.lora_alpha=8", "train.lr=3e-3"]
+    _cli(["dpo", _dpo_cfg(world, "la", *lora, "dpo.lora_export=adapter"), "--run-dir", "la", "--no-progress"], world)
+    _cli(["dpo", _dpo_cfg(world, "lm", *lora), "--run-dir", "lm", "--no-progress"], world)
+    rows = [r for r in map(json.loads, (world / "la" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert abs(rows[0]["loss"] - np.log(2)) < 1e-6 and abs(rows[-1]["loss"] - np.log(2)) > 1e-4
+    init, base = _weights(world / "base"), _weights(world / "la")
+    assert base.keys() == init.keys() and all(torch.equal(base[k], init[k]) for k in base)      # the base: frozen
+    adapter = load_file(str(world / "la" / "export" / "adapter" / "model.safetensors"))
+    config = json.loads((world / "la" / "export" / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and len(adapter) == 2 * len(config["target_modules"])
+    merged, folded = _weights(world / "lm"), 0
+    for k in base:
+        a = f"{k[:-len('.weight')]}.lora_A.default.weight"
+        if a in adapter:
+            expect = base[k] + 2.0 * adapter[a.replace("lora_A", "lora_B")] @ adapter[a]
+            torch.testing.assert_close(merged[k], expect, rtol=1e-5, atol=1e-6)
+            folded += int(not torch.equal(merged[k], base[k]))
+        else:
+            assert torch.equal(merged[k], base[k]), k
+    assert folded == len(config["target_modules"])
+
+
 def test_bad_dpo_input_is_refused_before_any_work(world, tmp_path):
     if not (world / "pairs" / "all.parquet").exists():
         pytest.skip("needs the pairs of test_pairs_by_majority_with_agreement_split_by_prompt")

@@ -154,7 +154,8 @@ def _noised(obj, pol, b):
     from difftrain.diffusion.flow import draw_t_and_noise, noisy_input
 
     _, H, W = b.grid
-    t, eps = draw_t_and_noise(obj.spec, 0, 2, b.sample_ids, tuple(b.x0_BLC.shape[1:]), (H // 2) * (W // 2))
+    spec = obj.spec if obj is not None else FlowSpec(timesteps="uniform")
+    t, eps = draw_t_and_noise(spec, 0, 2, b.sample_ids, tuple(b.x0_BLC.shape[1:]), (H // 2) * (W // 2))
     return b, noisy_input(b.x0_BLC, eps, t, b.loss_mask_BL), t, eps
 
 
@@ -182,3 +183,41 @@ def test_beta_must_be_positive_and_a_batch_must_hold_pairs():
     from difftrain.errors import UserError
     with pytest.raises(UserError, match="dpo.beta"):
         load_config(None, ["dpo.beta=0"])
+
+
+def test_with_lora_the_reference_is_the_policy_without_its_adapters():
+    from difftrain.models.lora import adapters_disabled, apply_lora, is_lora
+
+    policy = _model()
+    b = _pairs(2)
+    before = _objective(policy, _frozen(policy))[1].errors(Denoiser(policy, policy["text"], torch.device("cpu"), None),
+                                                           *_noised(None, None, b))
+    apply_lora(policy["dit"], 4, 4.0, ["qkv", "linear1"])
+    policy["text"].requires_grad_(False)
+
+    class Reference:                   # what DPOTrainer hands the objective with dpo.reference = "lora"
+        def __init__(self, d):
+            self.d = d
+
+        def embed_text(self, batch):
+            return self.d.embed_text(batch)
+
+        def __call__(self, *args):
+            with adapters_disabled(self.d.dit):
+                return self.d(*args)
+
+    pol = Denoiser(policy, policy["text"], torch.device("cpu"), None)
+    obj = DiffusionDPO(FlowSpec(timesteps="uniform"), 500.0, Reference(pol))
+    assert obj.loss(pol, b, 0, 2, 2.0).loss.item() == pytest.approx(math.log(2), abs=1e-6)   # lora_B starts at 0
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if is_lora(n):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    ref_errors = obj.errors(obj.reference, *_noised(None, None, b))
+    torch.testing.assert_close(ref_errors, before, rtol=0, atol=0)          # adapters off: the base, exactly
+    micro = obj.loss(pol, b, 0, 2, 2.0)
+    assert micro.loss.item() != pytest.approx(math.log(2), abs=1e-4)
+    micro.loss.backward()
+    grads = {n: p.grad for n, p in policy.named_parameters()}
+    assert all(g is None for n, g in grads.items() if not is_lora(n))       # the base and text encoder: frozen
+    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if is_lora(n))

@@ -298,3 +298,18 @@ def test_generate_task_keeps_its_positional_signature(oracle) -> None:
     assert len(gens[0].images) == 3 and gens[0].split == "train"
     with pytest.raises(ValueError, match="keyframe_given"):
         evaluate(_Oracle(), world, 1, 2, 1.0, keyframe_given="last")
+
+
+def test_background_shade_reads_the_grey_behind_the_shape_from_pixels():
+    """The rater of bench/dpo_shapes.py: the background's grey from the image alone, whatever shape sits on it
+    (a big shape touching the border included); a gradient reads as its mean."""
+    from difftrain.shapes.evaluate import background_shade
+    from difftrain.shapes.world import render_at
+
+    for bg in (100, 131, 160):
+        for shape, color, size, cx, cy in (("circle", "red", "small", 8, 8), ("square", "blue", "large", 24, 24),
+                                           ("triangle", "yellow", "large", 40, 40)):
+            img = render_at(shape, color, size, cx, cy, bg, 48)
+            assert abs(background_shade(img) - bg) < 1.0, (bg, shape)
+    ramp = np.repeat(np.linspace(100, 160, 48, dtype=np.float32)[None, :, None], 48, 0).repeat(3, 2).astype(np.uint8)
+    assert abs(background_shade(ramp) - 130) < 1.5

@@ -324,11 +324,13 @@ def load_pretrained(dit: MMDiT, path: str | Path) -> dict:
             "bytes_read": bytes_read, "bytes_total": sum(sizes[k] for k in expected)}
 
 
-def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool) -> Path:
+def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool, transform=None) -> Path:
     """A live model's weights as ``OUT/model.safetensors`` (float32) with ``OUT/config.toml``: the layout
     ``difftrain export`` writes, streamed as it streams: rank 0 writes the header, then each tensor as it is
     gathered (one at a time, a collective: every rank calls this), so no rank holds more than one full tensor
-    beyond its own shards. Written under a temporary name and renamed, so a crash leaves no half file."""
+    beyond its own shards. Written under a temporary name and renamed, so a crash leaves no half file.
+    ``transform(name, full)``: the tensor written instead of the gathered ``full`` one (same shape; called on
+    every rank in the same order, so it may gather too: a LoRA export folds each adapter in here)."""
     from difftrain.config import to_toml
     from difftrain.parallel.stream_writer import SafetensorsStreamWriter
 
@@ -342,6 +344,8 @@ def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool)
         for k, v in named.items():
             v = v.detach()
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            if transform is not None:
+                full = transform(k, full)
             if writer is not None:
                 writer.write(k, full.float())
             del full

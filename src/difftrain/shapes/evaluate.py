@@ -208,6 +208,13 @@ def _background(rgb: np.ndarray) -> tuple[np.ndarray, float, np.ndarray]:
     return model.grid @ coef, noise, model.ring
 
 
+def background_shade(img: np.ndarray) -> float:
+    """The image's background lightness (0..255): the mean grey level of the background plane fitted to its
+    border ring (``_background``), read from pixels alone. A preference the captions leave free."""
+    bg, _, _ = _background(_to_float_rgb(img))
+    return float(bg.mean())
+
+
 def _median(a: np.ndarray) -> np.ndarray:
     """Per-column median of an (N, C) array (upper median; np.median is ~5x slower here)."""
     k = a.shape[0] // 2

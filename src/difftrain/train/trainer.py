@@ -201,6 +201,7 @@ class Trainer:
         if getattr(self.text_encoder, "trainable", False):
             modules["text"] = self.text_encoder
         model = nn.ModuleDict(modules)
+        self._adapt(model)
         if cfg.train.compile and cfg.train.compile_cache != "off":
             use_compile_cache(cfg.train.compile_cache or self.run_dir / "compile_cache")
         self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp)
@@ -221,6 +222,8 @@ class Trainer:
         tc = self.cfg.train
         groups: dict[tuple[bool, bool], list] = {}
         for name, p in self.model.named_parameters():
+            if not p.requires_grad:      # frozen (a LoRA run's base weights): no optimizer state
+                continue
             decays = p.ndim >= 2 and "embed" not in name
             groups.setdefault((decays, any(p is q for q in self.replicated)), []).append(p)
         return torch.optim.AdamW(
@@ -379,6 +382,10 @@ class Trainer:
         return self._finish(preempted, stats, last, t_start)
 
     # --- what a trainer of another objective adds (DPO: its reference, validation and early stopping) ------
+    def _adapt(self, model: nn.ModuleDict) -> None:
+        """Change the model as built on the meta device, before it is wrapped and materialised (DPO with LoRA
+        injects its adapters and freezes the base here)."""
+
     def _extra_state(self) -> dict:
         """More of the trainer's state for the checkpoint's metadata."""
         return {}

@@ -1,0 +1,183 @@
+"""Does Diffusion-DPO move the model toward what raters prefer, without costing what the prompt asks for? One
+round on the shapes world, from the demo's checkpoint, with an automatic rater.
+
+The shapes world's captions leave the background shade free (a grey in ``data.background``). ``--rater direct``
+prefers a lighter background: it ranks each prompt's K candidates by ``shapes.evaluate.background_shade`` (the
+grey level of the background plane fitted to the image's border, pixels only). A round: ``difftrain
+candidates`` (K = 4 a prompt, text-to-image prompts of a world seed the evaluation does not use), the rater,
+``difftrain pairs`` (every pair; 10% of prompts held out), ``difftrain dpo`` (the checkpoint's model sections,
+the DPO defaults, ``--set`` on top). Then both models are evaluated *paired*: the same ``--n`` prompts of the
+evaluation world and the same noise, before and after, text-to-image and edits.
+
+Prints one JSON object per seed and a summary: ``preferred_rate`` before/after (share of text-to-image samples
+whose background is lighter than the middle of ``data.background``) and ``preferred_rate_gain_pp``; accuracies
+before/after (colour, position, shape, edit) and ``prompt_acc_drop_pp`` = the largest drop among them, with
+``prompt_acc_drop_upper95_pp``, the 97.5th percentile of that largest drop over 2,000 paired bootstrap
+resamples of the prompts (the upper end of a two-sided 95% interval); ``round_seconds`` (candidates, rating,
+pairs and DPO; not the evaluation).
+
+    python bench/dpo_shapes.py [--base demo-out/run] [--seeds 0 1] [--prompts 128] [--k 4] [--n 512]
+        [--dir DIR] [--set KEY=VALUE ...]
+
+Without ``--base`` (or when it is missing) the demo is run first (``difftrain demo --out DIR/demo``, ~15 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ACCS = ("color", "position", "shape")
+
+# DPO's training settings for this round (the DPO config's train section; everything else is the checkpoint's
+# model sections and the [dpo] defaults): a round is short, so the learning rate is constant after a warmup
+DPO_TRAIN = ["train.steps=300", "train.global_batch=16", "train.lr=1e-4", "train.warmup_steps=10",
+             "train.schedule=constant", "train.ema_decay=0", "train.checkpoint_every=0", "train.minutes=0",
+             "train.log_every=25", "train.threads=0"]
+
+
+def cli(*args: str, cwd: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "difftrain", *args], cwd=cwd, check=True, capture_output=True,
+                         text=True)
+    return out.stdout
+
+
+def base_checkpoint(args, root: Path) -> Path:
+    if args.base and Path(args.base).exists():
+        return Path(args.base).resolve()
+    cli("demo", "--out", str(root / "demo"), "--no-progress", cwd=root)
+    return (root / "demo" / "run").resolve()
+
+
+def rate_direct(cands: Path, out: Path) -> None:
+    from PIL import Image
+
+    from difftrain.shapes.evaluate import background_shade
+
+    rows = [json.loads(x) for x in (cands / "candidates.jsonl").read_text().splitlines()]
+    by: dict[str, list] = {}
+    for r in rows:
+        with Image.open(cands / r["image"]) as im:
+            by.setdefault(r["prompt_id"], []).append((background_shade(np.asarray(im.convert("RGB"))), r["id"]))
+    with out.open("w") as f:
+        for pid, xs in by.items():
+            f.write(json.dumps({"prompt_id": pid, "rater": "direct",
+                                "order": [c for _, c in sorted(xs, key=lambda x: -x[0])]}) + "\n")
+
+
+def paired_eval(run: Path, n: int, world_seed: int, use_ema: bool) -> dict:
+    """Per-prompt outcomes on the evaluation world: t2i attributes, background lightness, edit correctness."""
+    from difftrain.evaluate import evaluate
+    from difftrain.inference import guidance_scale, load_pipeline
+    from difftrain.shapes import world_from_config
+    from difftrain.shapes.evaluate import background_shade
+
+    pipe, cfg, _ = load_pipeline(run, use_ema=use_ema)
+    world = world_from_config(cfg.data, world_seed)
+    _, gens = evaluate(pipe, world, n, cfg.sample.steps, guidance_scale(cfg, None), cfg.sample.seed,
+                       tasks=("t2i", "edit"), heldout=False)
+    t2i = [g for g in gens if g.task == "t2i"]
+    edit = [g for g in gens if g.task == "edit"]
+    mid = sum(cfg.data.background) / 2
+    out = {a: np.array([bool(g.score[a]) for g in t2i]) for a in ACCS}
+    out["edit"] = np.array([bool(g.score["ok"]) for g in edit])
+    out["shade"] = np.array([background_shade(g.images[-1]) for g in t2i])
+    out["preferred"] = out["shade"] > mid
+    return out
+
+
+def compare(before: dict, after: dict, rng: np.random.Generator, resamples: int = 2000) -> dict:
+    keys = (*ACCS, "edit")
+    drops = {k: 100 * (before[k].mean() - after[k].mean()) for k in keys}
+    n_t2i, n_edit = len(before["color"]), len(before["edit"])
+    worst = []
+    for _ in range(resamples):
+        i = rng.integers(0, n_t2i, n_t2i)
+        j = rng.integers(0, n_edit, n_edit)
+        d = [100 * (before[k][i].mean() - after[k][i].mean()) for k in ACCS]
+        d.append(100 * (before["edit"][j].mean() - after["edit"][j].mean()))
+        worst.append(max(d))
+    return {"preferred_rate_before": round(float(before["preferred"].mean()), 4),
+            "preferred_rate_after": round(float(after["preferred"].mean()), 4),
+            "preferred_rate_gain_pp": round(100 * float(after["preferred"].mean() - before["preferred"].mean()), 1),
+            "background_shade_before": round(float(before["shade"].mean()), 1),
+            "background_shade_after": round(float(after["shade"].mean()), 1),
+            "acc_before": {k: round(float(before[k].mean()), 4) for k in keys},
+            "acc_after": {k: round(float(after[k].mean()), 4) for k in keys},
+            "acc_drop_pp": {k: round(float(v), 1) for k, v in drops.items()},
+            "prompt_acc_drop_pp": round(float(max(drops.values())), 1),
+            "prompt_acc_drop_upper95_pp": round(float(np.percentile(worst, 97.5)), 1)}
+
+
+def one_round(base: Path, root: Path, seed: int, args) -> dict:
+    from difftrain.config import from_dict, load_config, to_toml
+    from difftrain.shapes import world_from_config
+    from difftrain.train.checkpoint import Checkpointer
+
+    root.mkdir(parents=True, exist_ok=True)
+    info = Checkpointer.read_info(base)
+    base_cfg = from_dict(info["config"], "base")
+    world = world_from_config(base_cfg.data, 9000 + seed)         # prompts the evaluation (eval.seed) never uses
+    (root / "prompts.txt").write_text("".join(world.prompt("t2i", i) + "\n" for i in range(args.prompts)))
+    t0 = time.perf_counter()
+    cli("candidates", str(base), "prompts.txt", "--k", str(args.k), "--out", "cands", "--seed", str(seed),
+        "--no-progress", cwd=root)
+    t1 = time.perf_counter()
+    rate_direct(root / "cands", root / "rankings.jsonl")
+    pairs = json.loads(cli("pairs", "rankings.jsonl", "--candidates", "cands", "--out", "pairs.parquet",
+                           "--seed", str(seed), cwd=root).splitlines()[-1])
+    t2 = time.perf_counter()
+    base_toml = root / "base.toml"
+    base_toml.write_text(to_toml(base_cfg))
+    cfg = load_config(base_toml, [f"run.seed={seed}", *DPO_TRAIN, f'dpo.init="{base}"', 'dpo.pairs="pairs.parquet"',
+                                  *args.overrides])
+    (root / "dpo.toml").write_text(to_toml(cfg))
+    summary = json.loads(cli("dpo", "dpo.toml", "--run-dir", "dpo", "--no-progress", cwd=root).splitlines()[-1])
+    t3 = time.perf_counter()
+    rows = [json.loads(x) for x in (root / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "implicit_acc" in r][-1]
+    before = paired_eval(base, args.n, base_cfg.eval.seed, use_ema=True)
+    after = paired_eval(root / "dpo", args.n, base_cfg.eval.seed, use_ema=False)
+    out = {"seed": seed, **compare(before, after, np.random.default_rng(seed)),
+           "round_seconds": round(t3 - t0, 1), "candidates_s": round(t1 - t0, 1), "pairs_s": round(t2 - t1, 1),
+           "dpo_s": round(t3 - t2, 1), "pairs": pairs, "dpo_steps": summary["steps"],
+           "last_step": {k: last[k] for k in ("loss", "implicit_acc", "winner_vs_ref", "loser_vs_ref")}}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="demo-out/run", help="the checkpoint (run directory) DPO starts from")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--prompts", type=int, default=128, help="text-to-image prompts ranked in the round")
+    ap.add_argument("--k", type=int, default=4, help="candidates a prompt")
+    ap.add_argument("--n", type=int, default=512, help="evaluation prompts per task (paired before/after)")
+    ap.add_argument("--rater", default="direct", choices=("direct",), help="the automatic rater")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args()
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(args.dir) if args.dir else Path(tmp)
+        base = base_checkpoint(args, root)
+        rounds = []
+        for seed in args.seeds:
+            r = one_round(base, root / f"seed{seed}", seed, args)
+            print(json.dumps(r), flush=True)
+            rounds.append(r)
+        keys = ("preferred_rate_gain_pp", "prompt_acc_drop_pp", "prompt_acc_drop_upper95_pp", "round_seconds")
+        print(json.dumps({"summary": {k: [r[k] for r in rounds] for k in keys}, "base": str(base),
+                          "settings": {"prompts": args.prompts, "k": args.k, "n": args.n, "dpo_train": DPO_TRAIN,
+                                       "overrides": args.overrides}}))
+
+
+if __name__ == "__main__":
+    main()
