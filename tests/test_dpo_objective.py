@@ -221,3 +221,32 @@ def test_with_lora_the_reference_is_the_policy_without_its_adapters():
     grads = {n: p.grad for n, p in policy.named_parameters()}
     assert all(g is None for n, g in grads.items() if not is_lora(n))       # the base and text encoder: frozen
     assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if is_lora(n))
+
+
+def test_early_stopping_after_patience_validation_passes_without_gain():
+    from difftrain.config import load_config
+    from difftrain.train.dpo import DPOTrainer
+
+    t = DPOTrainer.__new__(DPOTrainer)              # the stopping rule alone, on a scripted validation
+    t.cfg = load_config(None, ["dpo.validation_every=2", "dpo.patience=2"])
+    accs = iter([0.5, 0.6, 0.55, 0.6, 0.7])
+    t.validate = lambda: next(accs)
+    t.val_best, t.val_bad_passes, t.val_history = None, 0, []
+    logged = []
+
+    class Metrics:
+        def log(self, step, values):
+            logged.append((step, values))
+
+        def event(self, kind, step, **info):
+            logged.append((step, kind))
+
+    t.metrics = Metrics()
+    stops = []
+    for step in range(1, 11):
+        t.step = step
+        stops.append(t._stop_early())
+        if stops[-1]:
+            break
+    assert len(stops) == 8 and stops[-1] and not any(stops[:-1])    # step 8: 0.55 then 0.6 do not beat 0.6
+    assert t.val_history == [[2, 0.5], [4, 0.6], [6, 0.55], [8, 0.6]] and (8, "early_stop") in logged
