@@ -104,6 +104,12 @@ def test_candidates_manifest_seeds_no_metadata_and_resume(world):
     rows10 = {json.loads(x)["id"]: json.loads(x) for x in (world / "cands10" / "candidates.jsonl").read_text().splitlines()}
     assert other["digest"] != manifest["digest"]
     assert all(rows10[r["id"]]["noise_seed"] == r["noise_seed"] for r in after)
+    # under torchrun (2 gloo ranks, the model sharded): each rank its slice of every batch, the same images
+    _cli(["candidates", "base", "prompts.jsonl", "--k", "3", "--out", "cands2", "--no-progress", "--batch", "4"],
+         world, ranks=2)
+    two = {json.loads(x)["id"]: json.loads(x) for x in (world / "cands2" / "candidates.jsonl").read_text().splitlines()}
+    assert two.keys() == before.keys()
+    assert all((world / "cands2" / two[i]["image"]).read_bytes() == before[i] for i in before)
     # the same folder with other settings is refused
     bad = _cli(["candidates", "base", "prompts.jsonl", "--k", "2", "--out", "cands", "--no-progress"], world, check=False)
     assert bad.returncode == 2 and "k differ" in bad.stderr
