@@ -5,8 +5,8 @@ The shapes world's captions leave the background shade free (a grey in ``data.ba
 prefers a lighter background: it ranks each prompt's K candidates by ``shapes.evaluate.background_shade`` (the
 grey level of the background plane fitted to the image's border, pixels only). A round: ``difftrain
 candidates`` (K = 4 a prompt, text-to-image prompts of a world seed the evaluation does not use), the rater,
-``difftrain pairs`` (every pair; 10% of prompts held out), ``difftrain dpo`` (the checkpoint's model sections,
-the DPO defaults, ``--set`` on top). Then both models are evaluated *paired*: the same ``--n`` prompts of the
+``difftrain pairs`` (every pair; 10% of prompts held out), ``difftrain dpo`` with the ``shapes-dpo`` preset (the
+demo's model sections, its round settings, ``--set`` on top). Then both models are evaluated *paired*: the same ``--n`` prompts of the
 evaluation world and the same noise, before and after, text-to-image and edits.
 
 Prints one JSON object per seed and a summary: ``preferred_rate`` before/after (share of text-to-image samples
@@ -35,13 +35,6 @@ from pathlib import Path
 import numpy as np
 
 ACCS = ("color", "position", "shape")
-
-# DPO's training settings for this round (the DPO config's train section; everything else is the checkpoint's
-# model sections and the [dpo] defaults): a round is short, so the learning rate is constant after a warmup
-DPO_TRAIN = ["train.steps=300", "train.global_batch=16", "train.lr=1e-4", "train.warmup_steps=10",
-             "train.schedule=constant", "train.ema_decay=0", "train.checkpoint_every=0", "train.minutes=0",
-             "train.log_every=25", "train.threads=0"]
-
 
 def cli(*args: str, cwd: Path) -> str:
     out = subprocess.run([sys.executable, "-m", "difftrain", *args], cwd=cwd, check=True, capture_output=True,
@@ -117,7 +110,7 @@ def compare(before: dict, after: dict, rng: np.random.Generator, resamples: int 
 
 
 def one_round(base: Path, root: Path, seed: int, args) -> dict:
-    from difftrain.config import from_dict, load_config, to_toml
+    from difftrain.config import from_dict, load_config, preset_path, to_toml
     from difftrain.shapes import world_from_config
     from difftrain.train.checkpoint import Checkpointer
 
@@ -134,10 +127,8 @@ def one_round(base: Path, root: Path, seed: int, args) -> dict:
     pairs = json.loads(cli("pairs", "rankings.jsonl", "--candidates", "cands", "--out", "pairs.parquet",
                            "--seed", str(seed), cwd=root).splitlines()[-1])
     t2 = time.perf_counter()
-    base_toml = root / "base.toml"
-    base_toml.write_text(to_toml(base_cfg))
-    cfg = load_config(base_toml, [f"run.seed={seed}", *DPO_TRAIN, f'dpo.init="{base}"', 'dpo.pairs="pairs.parquet"',
-                                  *args.overrides])
+    cfg = load_config(preset_path(args.config), [f"run.seed={seed}", f'dpo.init="{base}"',
+                                                 'dpo.pairs="pairs.parquet"', *args.overrides])
     (root / "dpo.toml").write_text(to_toml(cfg))
     summary = json.loads(cli("dpo", "dpo.toml", "--run-dir", "dpo", "--no-progress", cwd=root).splitlines()[-1])
     t3 = time.perf_counter()
@@ -160,6 +151,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="candidates a prompt")
     ap.add_argument("--n", type=int, default=512, help="evaluation prompts per task (paired before/after)")
     ap.add_argument("--rater", default="direct", choices=("direct",), help="the automatic rater")
+    ap.add_argument("--config", default="shapes-dpo", help="the DPO config (preset name or path; default shapes-dpo)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args()
@@ -175,7 +167,7 @@ def main() -> None:
             rounds.append(r)
         keys = ("preferred_rate_gain_pp", "prompt_acc_drop_pp", "prompt_acc_drop_upper95_pp", "round_seconds")
         print(json.dumps({"summary": {k: [r[k] for r in rounds] for k in keys}, "base": str(base),
-                          "settings": {"prompts": args.prompts, "k": args.k, "n": args.n, "dpo_train": DPO_TRAIN,
+                          "settings": {"prompts": args.prompts, "k": args.k, "n": args.n, "config": args.config,
                                        "overrides": args.overrides}}))
 
 

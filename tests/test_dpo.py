@@ -198,7 +198,10 @@ def test_dpo_one_and_two_ranks_and_a_kill_give_the_same_weights(world):
     one = _weights(world / "d1")
     ref = _weights(world / "base")
     assert max(float((one[k] - ref[k]).abs().max()) for k in one) > 0         # DPO moved the weights
+    import shutil
+    shutil.rmtree(world / "pairs" / "all.parquet.encoded")         # two ranks, no cache: rank 0 encodes it
     _cli(["dpo", cfg, "--run-dir", "d2", "--no-progress"], world, ranks=2)
+    assert (world / "pairs" / "all.parquet.encoded" / "index.json").is_file()
     two = _weights(world / "d2")
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5
     # killed before step 5 (after the checkpoint of step 4), restarted by torchrun: the same weights

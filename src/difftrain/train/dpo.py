@@ -90,7 +90,26 @@ class PairsSource:
 
         ae = self.cfg.autoencoder
         settings = {"kind": ae.kind, "factor": ae.factor, "path": ae.path, "scaling": ae.scaling, "shift": ae.shift}
-        pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings)
+        # Rank 0 encodes (or finds the cache) and says whether it could; the others then read its cache: one
+        # writer, and a bad pairs file stops every rank at once (the others with a pointer to rank 0's error).
+        import torch.distributed as dist
+
+        from difftrain.parallel.dist import broadcast_int
+
+        if not dist.is_initialized():
+            pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings)
+        elif dist.get_rank() == 0:
+            try:
+                pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings)
+            except BaseException:
+                broadcast_int(0, device)
+                raise
+            broadcast_int(1, device)
+        else:
+            if not broadcast_int(0, device):
+                raise UserError(f"dpo.pairs = {self.cfg.dpo.pairs!r}: rank 0 could not encode the pairs (its error "
+                                "says why)")
+            pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings)
         return PairsLoader(pairs, text_encoder.tokenize, self.cfg.train.global_batch, self.cfg.train.micro_batch,
                            rank, num_ranks, self.cfg.run.seed)
 
