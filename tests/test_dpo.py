@@ -247,6 +247,9 @@ def test_dpo_with_lora_trains_adapters_only_and_exports_merged_or_apart(world):
         else:
             assert torch.equal(merged[k], base[k]), k
     assert folded == len(config["target_modules"])
+    # a LoRA run's checkpoint samples as any other (its adapters applied)
+    out = json.loads(_cli(["sample", "la", "--prompt", "a red circle", "--num-images", "1"], world).stdout)
+    assert len(out["images"]) == 1
 
 
 def test_bad_dpo_input_is_refused_before_any_work(world, tmp_path):

@@ -54,6 +54,9 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     vocab = info.get("text_encoder", {}).get("vocabulary")
     text = build_text_encoder(cfg, vocab, device)
     model = build_model(cfg, text, ae, "meta" if sharded else device)
+    if "dpo" in info and cfg.dpo.reference == "lora":     # a LoRA DPO run: its checkpoint holds the adapters
+        from difftrain.models.lora import apply_lora
+        apply_lora(model["dit"], cfg.dpo.lora_rank, cfg.dpo.lora_alpha, list(cfg.dpo.lora_targets))
     if sharded:
         from difftrain.parallel import parallelize
         units, _ = parallelize(model, _inference_config(cfg), env, None, granularity="layer")
