@@ -4,7 +4,8 @@ The same DiT (hidden 384, 4 double and 8 single blocks, ~60M parameters), AdamW,
 step trains on the 2P images, the DPO step on them as P pairs (winners and losers), with a frozen reference copy
 that adds one forward without backward (expected ~4/3 of the flow step's time). Each mode runs in a fresh process;
 its peak anonymous memory above the process's baseline after imports is sampled every 2 ms (weights, gradients,
-optimizer state, the reference, activations).
+optimizer state, the reference, activations), with glibc told to mmap buffers of 1 MiB and more (see
+``MMAP_THRESHOLD``; ``--default-malloc`` not).
 
 Prints one JSON object: per reference (``copy``: a full frozen copy; ``lora``: LoRA adapters (rank 16) trained in
 both steps, the reference the DiT with adapters disabled) and precision (``fp32``, and ``bf16``: autocast to
@@ -19,8 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+
+# glibc keeps freed buffers under its (growing) mmap threshold in its heap, so a process's peak depends on the
+# order of its allocations more than on what it holds at once (the reference's forward, freed before the policy's,
+# leaves holes the policy's activations do not fit); buffers of 1 MiB and more mmapped are returned when freed,
+# as a GPU's caching allocator reuses them. --default-malloc measures without this.
+MMAP_THRESHOLD = 1 << 20
 
 WORKER = r"""
 import copy, json, os, statistics, sys, threading, time
@@ -97,8 +105,11 @@ print(json.dumps({"mode": mode, "precision": precision, "reference": reference, 
 
 
 def run(mode: str, precision: str, reference: str, args) -> dict:
+    env = dict(os.environ)
+    if not args.default_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     out = subprocess.run([sys.executable, "-c", WORKER, mode, precision, str(args.pairs), str(args.steps),
-                          str(args.hidden), reference], check=True, capture_output=True, text=True)
+                          str(args.hidden), reference], check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -107,8 +118,10 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=8, help="pairs a step (the flow step trains on twice as many images)")
     ap.add_argument("--steps", type=int, default=6, help="steps timed (the first is a warm-up)")
     ap.add_argument("--hidden", type=int, default=384, help="model width (a multiple of 64)")
+    ap.add_argument("--default-malloc", action="store_true", help="glibc's default malloc (see MMAP_THRESHOLD)")
     args = ap.parse_args()
-    out: dict = {"pairs": args.pairs, "images_per_step": 2 * args.pairs}
+    out: dict = {"pairs": args.pairs, "images_per_step": 2 * args.pairs,
+                 "malloc_mmap_threshold": None if args.default_malloc else MMAP_THRESHOLD}
     for reference in ("copy", "lora"):
         for precision in ("fp32", "bf16"):
             flow, dpo = run("flow", precision, reference, args), run("dpo", precision, reference, args)
