@@ -43,7 +43,7 @@ def sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
-def store_run(root: Path, overrides: list[str], n: int, align: int = 16, epochs: float = 4.0) -> dict:
+def store_run(root: Path, overrides: list[str], n: int, align: int = 16, epochs: float = 1.0) -> dict:
     """Export sized for the run, prepare, train from the store, eval at every bucket of the last stage."""
     from difftrain.config import load_config, preset_path
     from difftrain.shapes.export import export_plan, export_shapes
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--align", type=int, default=16, help="export margins' unit in pixels (8: the earlier layout)")
     ap.add_argument("--epochs", type=float, default=None,
-                    help="export size: passes of the run over each scene (default: shapes export's 4; --quick 16)")
+                    help="export size: passes of the run over each scene (default: shapes export's 1; --quick 16)")
     ap.add_argument("--store-only", action="store_true", help="skip the on-the-fly run")
     ap.add_argument("--parallel", action="store_true", help="train the two runs at the same time")
     ap.add_argument("--quick", action="store_true", help="the CI check's setting (see the module docstring)")
@@ -95,7 +95,7 @@ def main() -> None:
     if args.steps:
         overrides.append(f"train.steps={args.steps}")
     n = 32 if args.quick and args.n == 256 else args.n
-    epochs = args.epochs or (16.0 if args.quick else 4.0)
+    epochs = args.epochs or (16.0 if args.quick else 1.0)
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
