@@ -13,7 +13,7 @@ bf16 with a copied reference held in bf16, as on GPUs; on a CPU the forced-bf16 
 (median step seconds per image, target <= 1.5), ``dpo_peak_over_flow_peak`` (targets <= 1.35 with a copy,
 <= 1.05 with LoRA), and the raw figures.
 
-    python bench/dpo_step.py [--pairs 8] [--steps 6] [--hidden 384]
+    python bench/dpo_step.py [--pairs 8] [--steps 6] [--hidden 384] [--references copy lora] [--default-malloc]
 """
 
 from __future__ import annotations
@@ -119,10 +119,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps timed (the first is a warm-up)")
     ap.add_argument("--hidden", type=int, default=384, help="model width (a multiple of 64)")
     ap.add_argument("--default-malloc", action="store_true", help="glibc's default malloc (see MMAP_THRESHOLD)")
+    ap.add_argument("--references", nargs="+", default=["copy", "lora"], choices=("copy", "lora"))
     args = ap.parse_args()
     out: dict = {"pairs": args.pairs, "images_per_step": 2 * args.pairs,
                  "malloc_mmap_threshold": None if args.default_malloc else MMAP_THRESHOLD}
-    for reference in ("copy", "lora"):
+    for reference in args.references:
         for precision in ("fp32", "bf16"):
             flow, dpo = run("flow", precision, reference, args), run("dpo", precision, reference, args)
             out[f"{reference}_{precision}"] = {
