@@ -250,3 +250,35 @@ def test_early_stopping_after_patience_validation_passes_without_gain():
             break
     assert len(stops) == 8 and stops[-1] and not any(stops[:-1])    # step 8: 0.55 then 0.6 do not beat 0.6
     assert t.val_history == [[2, 0.5], [4, 0.6], [6, 0.55], [8, 0.6]] and (8, "early_stop") in logged
+
+
+def test_a_pairs_file_is_checked_row_by_row_before_any_encoding(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from difftrain.data.pairs import PAIR_COLUMNS, EncodedPairs
+    from difftrain.errors import UserError
+    from difftrain.models.autoencoder import build_autoencoder
+
+    Image.new("RGB", (16, 16), (120, 120, 120)).save(tmp_path / "a.png")
+    row = {"pair_id": 0, "prompt_id": "p", "prompt": "a red circle", "task": "t2i", "winner": "p-0", "loser": "p-1",
+           "winner_image": "a.png", "loser_image": "gone.png", "source_image": "", "winner_seed": 1, "loser_seed": 2,
+           "agreement": 1.0, "raters": 1, "split": "train"}
+
+    def write(rows, name="pairs.parquet"):
+        types = {"int64": pa.int64(), "string": pa.string(), "double": pa.float64()}
+        schema = pa.schema([(c, types[t]) for c, t in PAIR_COLUMNS.items()])
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / name)
+        return tmp_path / name
+
+    ae = build_autoencoder("pixel-unshuffle", 8)
+    with pytest.raises(UserError, match=r"pairs.parquet: row 0 \(pair_id 0\): image .*gone.png not found"):
+        EncodedPairs.load_or_encode(write([row]), ae, {})
+    with pytest.raises(UserError, match=r"row 1 \(pair_id 0\): pair_id repeated"):
+        EncodedPairs.load_or_encode(write([row, dict(row, loser_image="a.png")]), ae, {})
+    with pytest.raises(UserError, match=r"row 0 \(pair_id 0\): task 'video'"):
+        EncodedPairs.load_or_encode(write([dict(row, task="video")]), ae, {})
+    with pytest.raises(UserError, match=r"row 0 \(pair_id 0\): an edit pair needs source_image"):
+        EncodedPairs.load_or_encode(write([dict(row, task="edit")]), ae, {})
+    assert not (tmp_path / "pairs.parquet.encoded").exists()           # nothing cached from a refused file
