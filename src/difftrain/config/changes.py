@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from difftrain.config.schema import DPOConfig
+
 # Keys a resumed run may change without --allow-config-change: how the job runs, not what it computes.
 ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes", "train.log_every",
                      "train.sample_every", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_every",
@@ -14,6 +18,15 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
 # Keys added after a checkpoint was written, with the value that computes what that checkpoint's release did:
 # a saved config without the key and a run with that value are the same run.
 EARLIER_BEHAVIOUR = {"model.positions": "corner"}
+
+
+def _section_defaults(section: str, cls) -> dict:
+    return {f"{section}.{f.name}": (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(cls)}
+
+
+# The [dpo] section came later: a checkpoint without it was trained as a run with its defaults is.
+EARLIER_BEHAVIOUR.update(_section_defaults("dpo", DPOConfig))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
