@@ -104,8 +104,9 @@ class Objective(Protocol):
         """One micro-batch's loss contribution, for optimizer step ``step`` (0-based)."""
 
     def metrics(self, loss: float, task: str, stats: Tensor | None = None) -> dict[str, float]:
-        """The values it logs for a step, by name, from the step's reduced loss (and, for an objective whose
-        ``MicroLoss`` carries ``stats``, their rows from every micro-batch and rank)."""
+        """The values it logs for a step, by name, from the step's reduced loss; an objective whose ``MicroLoss``
+        carries ``stats`` is also given their rows from every micro-batch and rank (others are called with two
+        arguments, as before)."""
 
 
 class FlowMatching:

@@ -473,7 +473,9 @@ class Trainer:
         if not (force or saved_now or self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps):
             return
         batch, total_s = fetched.batches[0], fetched.data_s + fetched.step_s
-        values = {"time": round(time.time(), 3), **self.objective.metrics(stats.loss, batch.task, stats.rows),
+        # an objective whose micro-batches carry no statistics is asked as before: metrics(loss, task)
+        extra = () if stats.rows is None else (stats.rows,)
+        values = {"time": round(time.time(), 3), **self.objective.metrics(stats.loss, batch.task, *extra),
                   "grad_norm": round(stats.grad_norm, 4), "lr": stats.lr, "task": batch.task,
                   "seq": _seq(batch), "shapes": sorted({(b.task, *_seq(b)) for b in fetched.batches}),
                   "data_s": round(fetched.data_s, 4), "step_s": round(fetched.step_s, 4),
