@@ -24,6 +24,20 @@ def resolve_config(name: str) -> Path:
     return preset_path(name)
 
 
+def _add_run_args(p) -> None:
+    """The arguments of a training run (``train`` and ``dpo``)."""
+    p.add_argument("config", help="config path or preset name")
+    p.add_argument("--run-dir", default=None, help="run directory (default: run.out_dir/run.name)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="refuse to start if the run directory already holds a checkpoint")
+    p.add_argument("--allow-config-change", nargs="+", default=[], metavar="KEY",
+                   help="config keys (or sections) that may differ from the checkpoint's when resuming")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (local rank r: port + r); sets train.metrics_port")
+    _add_set(p)
+
+
 def _add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (repeatable), e.g. --set train.lr=1e-4; "
@@ -49,31 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train from a config; rerun on the same run directory to resume",
                        description="Train a model. Resumes from the newest complete, verified checkpoint in the "
                                    "run directory.")
-    p.add_argument("config", help="config path or preset name")
-    p.add_argument("--run-dir", default=None, help="run directory (default: run.out_dir/run.name)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
-    p.add_argument("--no-resume", action="store_true",
-                   help="refuse to start if the run directory already holds a checkpoint")
-    p.add_argument("--allow-config-change", nargs="+", default=[], metavar="KEY",
-                   help="config keys (or sections) that may differ from the checkpoint's when resuming")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (local rank r: port + r); sets train.metrics_port")
-    _add_set(p)
+    _add_run_args(p)
 
     p = sub.add_parser("dpo", help="Diffusion-DPO from a checkpoint on a pairs file (the [dpo] section); rerun on "
                                    "the same run directory to resume",
                        description="Diffusion-DPO on the trainer: the policy starts from dpo.init, the reference is "
                                    "a frozen copy of it, the data is dpo.pairs (see docs/dpo.md).")
-    p.add_argument("config", help="config path or preset name")
-    p.add_argument("--run-dir", default=None, help="run directory (default: run.out_dir/run.name)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
-    p.add_argument("--no-resume", action="store_true",
-                   help="refuse to start if the run directory already holds a checkpoint")
-    p.add_argument("--allow-config-change", nargs="+", default=[], metavar="KEY",
-                   help="config keys (or sections) that may differ from the checkpoint's when resuming")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (local rank r: port + r); sets train.metrics_port")
-    _add_set(p)
+    _add_run_args(p)
 
     p = sub.add_parser("candidates", help="K candidates per prompt from a checkpoint, with a manifest (resumable)",
                        description="K candidates per prompt (text-to-image, edits, keyframes) for raters and DPO; "

@@ -160,19 +160,13 @@ def write_pairs(rows: list[dict], out: Path, meta: dict) -> dict:
 def pickapic_pairs(path: str | Path, out: str | Path, validation: float = 0.1, seed: int = 0,
                    image_size: int = 0) -> dict:
     """Pairs from a file in the Pick-a-Pic layout; ties (label_0 = 0.5) dropped."""
-    import pyarrow.parquet as pq
+    from difftrain.data.pairs import read_table
 
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: file not found")
-    try:
-        table = pq.read_table(p)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not Parquet
-        raise UserError(f"{p}: not a Parquet file ({e.__class__.__name__}: {e})") from None
     need = ["caption", "jpg_0", "jpg_1", "label_0", "model_0", "model_1"]
-    missing = [c for c in need if c not in table.column_names]
-    if missing:
-        raise UserError(f"{p}: missing Pick-a-Pic column(s) {missing}; expected {need}")
+    table = read_table(p, need, "a file in the Pick-a-Pic layout")
     outp = Path(out)
     img_dir = outp.with_name(f"{outp.name}.images")
     img_dir.mkdir(parents=True, exist_ok=True)

@@ -41,21 +41,27 @@ ENCODED_FORMAT = "difftrain-pairs-encoded-1"
 Tokenize = Callable[[list[str]], dict[str, Tensor]]
 
 
-def read_pairs(path: str | Path) -> list[dict]:
-    """The rows of a pairs file, checked: every column, known tasks and splits, distinct pair ids, a source
-    image for every edit, winner and loser different. Errors name the file, the row and the column."""
+def read_table(p: Path, columns: list[str], what: str):
+    """A Parquet file as an Arrow table with ``columns`` present; a clear error naming the file otherwise."""
     import pyarrow.parquet as pq
 
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"dpo.pairs = {str(path)!r}: no such file (write one with 'difftrain pairs')")
     try:
         table = pq.read_table(p)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not Parquet
-        raise UserError(f"{p}: not a Parquet pairs file ({e.__class__.__name__}: {e})") from None
-    missing = [c for c in PAIR_COLUMNS if c not in table.column_names]
+        raise UserError(f"{p}: not a Parquet file ({e.__class__.__name__}: {e})") from None
+    missing = [c for c in columns if c not in table.column_names]
     if missing:
-        raise UserError(f"{p}: missing column(s) {missing}; a pairs file has {list(PAIR_COLUMNS)}")
+        raise UserError(f"{p}: missing column(s) {missing}; {what} has {columns}")
+    return table
+
+
+def read_pairs(path: str | Path) -> list[dict]:
+    """The rows of a pairs file, checked: every column, known tasks and splits, distinct pair ids, a source
+    image for every edit, winner and loser different. Errors name the file, the row and the column."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"dpo.pairs = {str(path)!r}: no such file (write one with 'difftrain pairs')")
+    table = read_table(p, list(PAIR_COLUMNS), "a pairs file")
     rows = table.to_pylist()                       # extra columns (a source's model names) are kept
     seen: set[int] = set()
     for i, r in enumerate(rows):
