@@ -161,7 +161,7 @@ def test_pickapic_layout_is_read_and_ties_dropped(tmp_path):
                              "model_0": ["m0", "m0", "m0"], "model_1": ["m1", "m1", "m1"]}), tmp_path / "pap.parquet")
     out = pickapic_pairs(tmp_path / "pap.parquet", tmp_path / "pairs.parquet", image_size=32)
     assert out["pairs"] == 2 and out["ties_dropped"] == 1
-    rows = read_pairs(tmp_path / "pairs.parquet")
+    rows = read_pairs(tmp_path / "pairs.parquet").to_pylist()
     first, last = rows
     assert first["winner_model"] == "m0" and last["winner_model"] == "m1"
     with Image.open(tmp_path / first["winner_image"]) as a, Image.open(tmp_path / last["winner_image"]) as b:

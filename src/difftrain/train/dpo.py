@@ -87,9 +87,11 @@ class PairsSource:
 
     def build(self, autoencoder, text_encoder, rank: int = 0, num_ranks: int = 1, device="cpu", micro_batch: int = 0):
         from difftrain.data.pairs import EncodedPairs, PairsLoader
+        from difftrain.data.store import encoder_identity
 
-        ae = self.cfg.autoencoder
-        settings = {"kind": ae.kind, "factor": ae.factor, "path": ae.path, "scaling": ae.scaling, "shift": ae.shift}
+        # The store's cache key: the encoders' identity (the text rule included) and how latents are kept.
+        settings = {**encoder_identity(self.cfg), "latent_dtype": self.cfg.data.latent_dtype}
+        frozen = None if getattr(text_encoder, "trainable", False) else text_encoder
         # Rank 0 encodes (or finds the cache) and says whether it could; the others then read its cache: one
         # writer, and a bad pairs file stops every rank at once (the others with a pointer to rank 0's error).
         import torch.distributed as dist
@@ -97,10 +99,10 @@ class PairsSource:
         from difftrain.parallel.dist import broadcast_int
 
         if not dist.is_initialized():
-            pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings)
+            pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings, frozen)
         elif dist.get_rank() == 0:
             try:
-                pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings)
+                pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings, frozen)
             except BaseException:
                 broadcast_int(0, device)
                 raise
@@ -109,9 +111,10 @@ class PairsSource:
             if not broadcast_int(0, device):
                 raise UserError(f"dpo.pairs = {self.cfg.dpo.pairs!r}: rank 0 could not encode the pairs (its error "
                                 "says why)")
-            pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings)
-        return PairsLoader(pairs, text_encoder.tokenize, self.cfg.train.global_batch, self.cfg.train.micro_batch,
-                           rank, num_ranks, self.cfg.run.seed)
+            pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings, frozen)
+        tokenize = None if frozen is not None else text_encoder.tokenize     # frozen: the cached states instead
+        return PairsLoader(pairs, tokenize, self.cfg.train.global_batch, self.cfg.train.micro_batch, rank, num_ranks,
+                           self.cfg.run.seed)
 
 
 class PolicyWithoutAdapters:
