@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=0,
                    help="with --pickapic: centre-crop and resize images to this size (0 = as they are)")
 
+    p = sub.add_parser("rate", add_help=False,
+                       help="the rating app: serve, user, import, figures, upgrade (as difftrain-rate) and export "
+                            "(the app's answers -> a pairs file)",
+                       description="The rating app (the difftrain-rate package). 'difftrain rate export --db URL --out "
+                                   "PAIRS.parquet [--batch NAME] [--include-flagged] [--mode all|best-worst] "
+                                   "[--validation F] [--seed S]' writes the pairs file with the rules of 'difftrain "
+                                   "pairs'; every other command is difftrain-rate's ('difftrain rate --help').")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
     p = sub.add_parser("export", help="consolidated safetensors weights (EMA or raw) and config from a checkpoint",
                        description="Write a checkpoint's weights as one safetensors file with its config, from "
                                    "any number of shards; or a diffusers FluxTransformer2DModel folder.")
@@ -301,6 +309,48 @@ def cmd_pairs(args) -> int:
     return 0
 
 
+def cmd_rate(args) -> int:
+    try:
+        from difftrain_rate import cli as rate_cli
+    except ImportError:
+        raise UserError("the rating app is a package of its own: pip install ./rate (no torch needed)") from None
+    rest = list(args.rest)
+    if not rest or rest[0] != "export":
+        rate_cli.main(rest or ["--help"])
+        return 0
+    import tempfile
+
+    from difftrain.align.pairs import MODES, make_pairs
+    from difftrain_rate.errors import RateError
+    from difftrain_rate.export import write_rankings
+
+    ap = argparse.ArgumentParser(prog="difftrain rate export",
+                                 description="the app's answers -> a pairs file (the rules of 'difftrain pairs')")
+    ap.add_argument("--db", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch")
+    ap.add_argument("--include-flagged", action="store_true")
+    ap.add_argument("--mode", default="all", choices=MODES)
+    ap.add_argument("--validation", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(rest[1:])
+    try:
+        db = rate_cli._db(a.db)
+        with tempfile.TemporaryDirectory() as tmp:
+            got = write_rankings(db, f"{tmp}/rankings.jsonl", a.batch, a.include_flagged)
+            if len(got["folders"]) != 1:
+                raise UserError(f"--db {a.db}: the answers are of {len(got['folders'])} candidates folders "
+                                f"({got['folders']}); a pairs file is of one: choose a batch with --batch")
+            if not got["rankings"]:
+                raise UserError(f"--db {a.db}: no answers to export" + (f" in batch {a.batch!r}" if a.batch else ""))
+            summary = make_pairs(f"{tmp}/rankings.jsonl", got["folders"][0], a.out, a.mode, a.validation, a.seed)
+    except RateError as e:
+        raise UserError(str(e)) from None
+    summary["rankings"] = got["rankings"]
+    print(json.dumps(summary))
+    return 0
+
+
 def cmd_export(args) -> int:
     from difftrain.export import export_checkpoint
 
@@ -456,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "dpo": cmd_train, "candidates": cmd_candidates,
              "pairs": cmd_pairs, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo,
-             "prepare": cmd_prepare, "shapes": cmd_shapes, "export": cmd_export, "report": cmd_report}
+             "prepare": cmd_prepare, "shapes": cmd_shapes, "export": cmd_export, "report": cmd_report,
+             "rate": cmd_rate}
     try:
         return verbs[args.verb](args)
     except UserError as e:

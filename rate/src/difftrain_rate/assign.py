@@ -1,0 +1,165 @@
+"""Serving items to raters, recording answers, undo.
+
+``next_item``: a rater's open assignment first (a reload shows the same item); else, with the batch's gold rate, a
+gold item the rater has not seen; else the open batch's item with the most assignments that still has a free
+slot (finishing items before starting new ones) and that the rater has not seen. The assignment row takes the
+lowest free slot: two servers racing for the last slot of an item cannot both take it (unique (item, slot)),
+and one rater cannot take an item twice (unique (item, rater)); the loser of a race tries the next item. An
+assignment left unanswered for ``ASSIGNMENT_TTL`` seconds is released for others (its answer is then refused).
+
+``answer``: committed before the response (and so before the next item is served); an idempotency key makes a
+retried post count once (the same key returns the first outcome). ``undo``: the rater's last answer, within
+``UNDO_SECONDS``, is deleted and its item served again.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from sqlalchemy import and_, delete, exists, func, select
+from sqlalchemy.exc import IntegrityError
+
+from difftrain_rate.db import Answer, Assignment, Database, Item, RatingBatch, now
+
+ASSIGNMENT_TTL = 30 * 60
+UNDO_SECONDS = 10 * 60
+OUTCOMES = ("ranked", "tie", "both_bad", "skip")
+
+
+class Conflict(Exception):
+    """The request does not fit the state (an assignment released or answered by another request)."""
+
+
+@dataclass
+class Served:
+    assignment: int
+    item: Item
+    order: list[list[str]]       # the candidates as shown: each a list of frame image ids
+    batch: RatingBatch
+    progress: tuple[int, int]    # (answered by this rater in open batches, available to them in all)
+
+
+def _release_stale(s) -> None:
+    stale = select(Assignment.id).where(Assignment.answered.is_(False), Assignment.created_at < now() - ASSIGNMENT_TTL)
+    s.execute(delete(Assignment).where(Assignment.id.in_(stale)))
+
+
+def _progress(s, rater: int) -> tuple[int, int]:
+    done = s.scalar(select(func.count()).select_from(Answer).join(Item, Item.id == Answer.item_id)
+                    .join(RatingBatch, RatingBatch.id == Item.batch_id)
+                    .where(Answer.rater_id == rater, RatingBatch.status == "open")) or 0
+    open_items = s.scalar(select(func.count()).select_from(Item).join(RatingBatch, RatingBatch.id == Item.batch_id)
+                          .where(RatingBatch.status == "open", Item.gold.is_(None))) or 0
+    return done, max(done, open_items)
+
+
+def _served(s, a: Assignment, rater: int) -> Served:
+    item = s.get(Item, a.item_id)
+    views = {v[0]: v for v in item.images}
+    return Served(a.id, item, [views[h] for h in a.order], s.get(RatingBatch, item.batch_id), _progress(s, rater))
+
+
+def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Served | None:
+    rng = rng or random.Random()
+    for _attempt in range(20):
+        try:
+            with db.write() as s:
+                _release_stale(s)
+                a = s.scalar(select(Assignment).join(Item, Item.id == Assignment.item_id)
+                             .join(RatingBatch, RatingBatch.id == Item.batch_id)
+                             .where(Assignment.rater_id == rater, Assignment.answered.is_(False),
+                                    RatingBatch.status == "open").order_by(Assignment.id).limit(1))
+                if a is not None:
+                    return _served(s, a, rater)
+                seen = exists().where(and_(Assignment.item_id == Item.id, Assignment.rater_id == rater))
+                item, slot = None, None
+                batches = s.scalars(select(RatingBatch).where(RatingBatch.status == "open")).all()
+                gold_rate = max((b.gold_rate for b in batches), default=0.0)
+                if gold_rate and rng.random() < gold_rate:
+                    item = s.scalar(select(Item).join(RatingBatch, RatingBatch.id == Item.batch_id)
+                                    .where(RatingBatch.status == "open", RatingBatch.gold_rate > 0,
+                                           Item.gold.is_not(None), ~seen)
+                                    .order_by(func.random()).limit(1))
+                    slot = rater          # gold: every rater once; the slot is the rater's own
+                if item is None:
+                    taken = (select(func.count()).select_from(Assignment).where(Assignment.item_id == Item.id)
+                             .correlate(Item).scalar_subquery())
+                    row = s.execute(select(Item, taken).join(RatingBatch, RatingBatch.id == Item.batch_id)
+                                    .where(RatingBatch.status == "open", Item.gold.is_(None), ~seen,
+                                           taken < RatingBatch.raters)
+                                    .order_by(taken.desc(), Item.batch_id, Item.seq).limit(1)).first()
+                    if row is None:
+                        return None
+                    item = row[0]
+                    used = set(s.scalars(select(Assignment.slot).where(Assignment.item_id == item.id)))
+                    slot = next(k for k in range(len(used) + 1) if k not in used)
+                order = [v[0] for v in item.images]
+                rng.shuffle(order)                            # sides and order randomised per assignment
+                a = Assignment(item_id=item.id, rater_id=rater, slot=slot, order=order, answered=False,
+                               created_at=now())
+                s.add(a)
+                s.flush()
+                return _served(s, a, rater)
+        except IntegrityError:
+            continue          # another server took the slot (or this rater's other tab took the item): again
+    raise Conflict("could not take an item after 20 tries: too many concurrent raters on too few items")
+
+
+def answer(db: Database, rater: int, assignment: int, key: str, order: list, outcome: str, extra: dict,
+           seconds: float | None = None) -> dict:
+    """Record an answer: ``order`` lists the candidates' handles best first (a sub-list: equal); for a pairwise
+    item ``outcome`` may be tie, both_bad or skip with an empty order. Returns {"answer": id, "repeat": bool}."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome {outcome!r}: expected one of {OUTCOMES}")
+    if not key or len(key) > 100:
+        raise ValueError("an idempotency key of 1-100 characters is required")
+    try:
+        with db.write() as s:
+            prior = s.scalar(select(Answer).where(Answer.idempotency_key == key))
+            if prior is not None:
+                if prior.rater_id != rater:
+                    raise Conflict("idempotency key used by another rater")
+                return {"answer": prior.id, "repeat": True}
+            a = s.get(Assignment, assignment)
+            if a is None or a.rater_id != rater:
+                raise Conflict("no such assignment of yours (it may have expired and been released)")
+            if a.answered:
+                raise Conflict("this item is already answered")
+            handles = set(a.order)
+            flat = [h for x in order for h in (x if isinstance(x, list) else [x])]
+            if outcome == "ranked":
+                if sorted(flat) != sorted(handles):
+                    raise ValueError("the order must name each candidate of the item once")
+            elif flat:
+                raise ValueError(f"outcome {outcome!r} takes no order")
+            served = a.created_at
+            ans = Answer(assignment_id=a.id, item_id=a.item_id, rater_id=rater, idempotency_key=key, order=order,
+                         outcome=outcome, extra=extra or {}, seconds=seconds if seconds is not None else now() - served)
+            a.answered = True
+            s.add(ans)
+            s.flush()
+            return {"answer": ans.id, "repeat": False}
+    except IntegrityError:
+        with db.read() as s:        # the same key posted twice at once: the first one won
+            prior = s.scalar(select(Answer).where(Answer.idempotency_key == key))
+        if prior is not None and prior.rater_id == rater:
+            return {"answer": prior.id, "repeat": True}
+        raise Conflict("this item is already answered") from None
+
+
+def undo(db: Database, rater: int) -> str | None:
+    """Delete the rater's last answer (within ``UNDO_SECONDS``) and reopen its assignment; the item id or None."""
+    with db.write() as s:
+        last = s.scalar(select(Answer).where(Answer.rater_id == rater).order_by(Answer.id.desc()).limit(1))
+        if last is None or last.created_at < now() - UNDO_SECONDS:
+            return None
+        a = s.get(Assignment, last.assignment_id)
+        s.delete(last)
+        s.flush()
+        # Reopened: served next (before any other open assignment of the rater).
+        s.execute(delete(Assignment).where(Assignment.rater_id == rater, Assignment.answered.is_(False),
+                                           Assignment.id != a.id))
+        a.answered = False
+        a.created_at = now()
+        return a.item_id

@@ -1,0 +1,204 @@
+"""Batches: a candidates folder (``difftrain candidates``'s manifest.json, candidates.jsonl and images/) imported
+into the database as items to rate.
+
+- ``ranking``: one item a prompt, its K candidates to order;
+- ``pairwise``: one item a pair of one prompt's candidates (every pair of K; K = 2 is one item a prompt);
+- a **comparison** (two folders made by two checkpoints on the same prompts and seeds): one pairwise item per
+  (prompt, k), A's candidate k against B's; its answers give A's win rate over B.
+Gold items: prompts whose answer is known (``--gold``: JSONL of ``{"prompt_id", "order": [best, ...]}``) become
+gold items only: mixed into every rater's stream at the batch's gold rate, never exported as preferences.
+Every item, candidate and image gets a random opaque id: the pages and the API show no path, seed, candidate
+id or model, and a gold item's ids look like any other's.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from itertools import combinations
+from pathlib import Path
+
+from sqlalchemy import select
+
+from difftrain_rate.db import Database, Image, Item, RatingBatch
+from difftrain_rate.errors import RateError
+
+QUESTIONS = ("overall", "aesthetics", "prompt_fit")
+
+
+def opaque() -> str:
+    return secrets.token_urlsafe(16)         # 22 characters of [A-Za-z0-9_-]
+
+
+def read_candidates(folder: str | Path) -> tuple[dict, list[dict]]:
+    """(manifest, candidates) of a candidates folder, checked: every line parses, every image exists inside the
+    folder. Errors name the file and line."""
+    d = Path(folder)
+    mpath = d / "manifest.json"
+    if not mpath.is_file():
+        raise RateError(f"{d}: no manifest.json (a candidates folder is what 'difftrain candidates' writes)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RateError(f"{mpath}: not JSON ({e})") from None
+    if not isinstance(manifest, dict) or "k" not in manifest:
+        raise RateError(f"{mpath}: expected an object with 'k', 'digest', 'prompts'")
+    cpath = d / "candidates.jsonl"
+    if not cpath.is_file():
+        raise RateError(f"{d}: no candidates.jsonl")
+    rows, root = [], d.resolve()
+    for n, line in enumerate(cpath.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{cpath}:{n}"
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            raise RateError(f"{where}: not JSON") from None
+        missing = [k for k in ("id", "prompt_id", "prompt", "task", "k", "image") if k not in r]
+        if missing:
+            raise RateError(f"{where}: missing {missing}")
+        frames = r.get("frames") or [r["image"]]
+        paths = []
+        for rel in frames:
+            p = (d / rel).resolve()
+            if not p.is_relative_to(root):
+                raise RateError(f"{where}: image {rel!r} is outside the folder")
+            if not p.is_file():
+                raise RateError(f"{where}: image {rel} not found")
+            paths.append(str(p))
+        r["paths"] = paths
+        r["source_path"] = ""
+        if r["task"] == "edit":
+            src = Path(r.get("source") or "")
+            if not src.is_file():
+                raise RateError(f"{where}: the edit's source image {str(src)!r} not found")
+            r["source_path"] = str(src.resolve())
+        rows.append(r)
+    if not rows:
+        raise RateError(f"{cpath}: no candidates")
+    return manifest, rows
+
+
+def _by_prompt(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["prompt_id"], []).append(r)
+    for cands in out.values():
+        cands.sort(key=lambda r: r["k"])
+    return out
+
+
+def _read_gold(path: str | Path | None, prompts: dict[str, list[dict]]) -> dict[str, list[str]]:
+    if not path:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise RateError(f"--gold {p}: no such file")
+    gold = {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            g = json.loads(line)
+            pid, order = g["prompt_id"], g["order"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise RateError(f"{p}:{n}: expected {{\"prompt_id\": ..., \"order\": [best, ...]}}") from None
+        if pid not in prompts:
+            raise RateError(f"{p}:{n}: prompt {pid!r} is not in the batch")
+        ids = {c["id"] for c in prompts[pid]}
+        if sorted(order) != sorted(ids):
+            raise RateError(f"{p}:{n}: the order must name each of the prompt's candidates once: {sorted(ids)}")
+        gold[pid] = list(order)
+    return gold
+
+
+def import_batch(db: Database, name: str, folders: list[str], kind: str = "ranking", raters: int = 3,
+                 gold_rate: float = 0.0, gold: str | None = None, questions: list[str] | None = None,
+                 seed: int | None = None) -> dict:
+    """Import one folder (ranking or pairwise) or two (a comparison); returns what was made."""
+    import random
+
+    if kind not in ("ranking", "pairwise"):
+        raise RateError(f"--kind {kind!r}: expected 'ranking' or 'pairwise'")
+    if not 1 <= len(folders) <= 2:
+        raise RateError("a batch is one candidates folder, or two (a comparison of two checkpoints)")
+    if raters < 1:
+        raise RateError(f"--raters {raters}: expected >= 1")
+    if not 0.0 <= gold_rate < 1.0:
+        raise RateError(f"--gold-rate {gold_rate}: expected a share in [0, 1)")
+    questions = list(questions or ["overall"])
+    bad = [q for q in questions if q not in QUESTIONS]
+    if bad or questions[0] != "overall":
+        raise RateError(f"--questions {questions}: expected 'overall' first, then any of {QUESTIONS[1:]}")
+    read = [read_candidates(f) for f in folders]
+    prompts = [_by_prompt(rows) for _, rows in read]
+    if len(folders) == 2:
+        kind = "pairwise"
+        a, b = prompts
+        if set(a) != set(b) or any(len(a[p]) != len(b[p]) for p in a):
+            raise RateError(f"{folders[0]} and {folders[1]}: a comparison needs the same prompts and K in both")
+        seeds = [(c["noise_seed"] if "noise_seed" in c else None) for p in sorted(a) for c in a[p]]
+        if seeds != [(c["noise_seed"] if "noise_seed" in c else None) for p in sorted(b) for c in b[p]]:
+            raise RateError(f"{folders[0]} and {folders[1]}: a comparison needs the same noise seeds in both")
+    gold_orders = _read_gold(gold, prompts[0]) if len(folders) == 1 else {}
+    if gold and len(folders) == 2:
+        raise RateError("--gold: a comparison has no known answers; add gold items to a one-folder batch")
+    if gold_orders and gold_rate == 0.0:
+        raise RateError("--gold given with --gold-rate 0: gold items would never be served")
+    rng = random.Random(seed)
+    with db.write() as s:
+        if s.scalar(select(RatingBatch).where(RatingBatch.name == name)) is not None:
+            raise RateError(f"a batch named {name!r} exists")
+        batch = RatingBatch(name=name, kind=kind, folders=[str(Path(f).resolve()) for f in folders],
+                            models=[{k: m.get(k) for k in ("checkpoint", "step", "digest")} for m, _ in read], raters=raters, gold_rate=gold_rate,
+                            questions=questions, status="open")
+        s.add(batch)
+        s.flush()
+
+        items = []
+
+        def add(pid: str, cands: list[tuple[dict, int]], gold: list[str] | None) -> None:
+            """One item showing ``cands`` ((candidate, model) each); ``gold``: its known order (candidate ids)."""
+            first = cands[0][0]
+            item = Item(id=opaque(), batch_id=batch.id, prompt_id=pid, prompt=first["prompt"], task=first["task"],
+                        frames=len(first["paths"]), images=[], context=[], gold=None)
+            views, handle = [], {}
+            for c, model in cands:
+                ids = []
+                for path in c["paths"]:
+                    img = Image(id=opaque(), batch_id=batch.id, item_id=item.id, path=path, candidate=c["id"],
+                                model=model)
+                    s.add(img)
+                    ids.append(img.id)
+                views.append(ids)
+                handle[c["id"]] = ids[0]
+            if first["source_path"]:
+                img = Image(id=opaque(), batch_id=batch.id, item_id=item.id, path=first["source_path"], candidate="",
+                            model=0)
+                s.add(img)
+                item.context = [img.id]
+            item.images = views
+            if gold is not None:
+                item.gold = [handle[cid] for cid in gold if cid in handle]
+            items.append(item)
+
+        for pid in sorted(prompts[0]):
+            cands = prompts[0][pid]
+            gold_order = gold_orders.get(pid)
+            if len(folders) == 2:
+                for ca, cb in zip(cands, prompts[1][pid]):
+                    add(pid, [(ca, 0), (cb, 1)], None)
+            elif kind == "ranking" or len(cands) == 2:
+                add(pid, [(c, 0) for c in cands], gold_order)
+            else:
+                for x, y in combinations(cands, 2):
+                    add(pid, [(x, 0), (y, 0)], gold_order)
+        order = list(range(len(items)))
+        rng.shuffle(order)                       # serving order: prompts interleaved, the same for every rater
+        for seq, item in zip(order, items):
+            item.seq = seq
+        s.add_all(items)
+        n_gold = sum(1 for i in items if i.gold is not None)
+        return {"batch": name, "id": batch.id, "kind": kind, "items": len(items) - n_gold, "gold_items": n_gold,
+                "raters": raters}

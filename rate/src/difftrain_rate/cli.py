@@ -1,0 +1,194 @@
+"""``difftrain-rate`` (also ``difftrain rate``): serve the app, manage users, import batches, export answers.
+
+    difftrain-rate serve --db URL [--batches DIR] [--host 127.0.0.1] [--port 8000] [--workers 2] [--secure-cookies]
+    difftrain-rate user add NAME [--role rater|admin]      (password from DIFFTRAIN_RATE_PASSWORD or asked)
+    difftrain-rate user disable NAME | user enable NAME | user token NAME
+    difftrain-rate import --db URL --name NAME FOLDER [FOLDER_B] [--kind ranking|pairwise] [--raters R]
+                          [--gold FILE --gold-rate F] [--questions overall aesthetics prompt_fit]
+    difftrain-rate export --db URL --out rankings.jsonl [--batch NAME] [--include-flagged]
+    difftrain-rate answers --db URL --out answers.csv|answers.parquet
+    difftrain-rate figures --db URL
+    difftrain-rate upgrade --db URL
+
+URL: a SQLite file path (the default kind) or postgresql://user:pass@host/db. ``serve --batches DIR`` imports each
+candidates folder under DIR not imported yet (settings from its ``batch.json``, if any: kind, raters, gold,
+gold_rate, questions, compare_with) before it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from difftrain_rate.errors import RateError
+
+
+def _db(url: str, migrate: bool = False):
+    import logging
+
+    from difftrain_rate.db import Database, upgrade
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    if migrate:
+        try:
+            upgrade(url)
+        except Exception as e:  # noqa: BLE001 - the driver's errors differ; the message says which database
+            msg = str(getattr(e, "orig", e)).strip().splitlines()
+            raise RateError(f"--db {url}: cannot open or migrate the database ({msg[0] if msg else type(e).__name__})"
+                            ) from None
+    db = Database(url)
+    db.check()
+    return db
+
+
+def _password(name: str) -> str:
+    pw = os.environ.get("DIFFTRAIN_RATE_PASSWORD")
+    if pw is None:
+        import getpass
+        pw = getpass.getpass(f"password for {name}: ")
+    return pw
+
+
+def import_folders(db, root: str) -> list[dict]:
+    """Import each candidates folder under ``root`` (one with manifest.json) not imported yet."""
+    from sqlalchemy import select
+
+    from difftrain_rate.batches import import_batch
+    from difftrain_rate.db import RatingBatch
+
+    r = Path(root)
+    if not r.is_dir():
+        raise RateError(f"--batches {root}: no such folder")
+    with db.read() as s:
+        have = set(s.scalars(select(RatingBatch.name)))
+    made = []
+    for d in sorted(p for p in r.iterdir() if (p / "manifest.json").is_file()):
+        if d.name in have:
+            continue
+        settings = {}
+        if (d / "batch.json").is_file():
+            try:
+                settings = json.loads((d / "batch.json").read_text())
+            except json.JSONDecodeError as e:
+                raise RateError(f"{d / 'batch.json'}: not JSON ({e})") from None
+            unknown = set(settings) - {"kind", "raters", "gold", "gold_rate", "questions", "compare_with"}
+            if unknown:
+                raise RateError(f"{d / 'batch.json'}: unknown key(s) {sorted(unknown)}")
+        folders = [str(d)] + ([str((d / settings["compare_with"]).resolve())] if settings.get("compare_with") else [])
+        gold = settings.get("gold")
+        made.append(import_batch(db, d.name, folders, settings.get("kind", "ranking"), int(settings.get("raters", 3)),
+                                 float(settings.get("gold_rate", 0.0)), str(d / gold) if gold else None,
+                                 settings.get("questions")))
+    return made
+
+
+def serve(args) -> None:
+    import uvicorn
+
+    db = _db(args.db, migrate=True)
+    if args.batches:
+        for m in import_folders(db, args.batches):
+            print(json.dumps({"imported": m}), flush=True)
+    os.environ["DIFFTRAIN_RATE_DB"] = args.db
+    if args.secure_cookies:
+        os.environ["DIFFTRAIN_RATE_SECURE"] = "1"
+    uvicorn.run("difftrain_rate.app:factory", factory=True, host=args.host, port=args.port, workers=args.workers,
+                proxy_headers=True, forwarded_allow_ips=args.forwarded_allow_ips, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="difftrain-rate", description="difftrain's rating app")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def with_db(p):
+        p.add_argument("--db", required=True, help="a SQLite file path or postgresql://user:pass@host/db")
+        return p
+
+    p = with_db(sub.add_parser("serve", help="run the web app"))
+    p.add_argument("--batches", help="import each candidates folder under DIR not imported yet")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--secure-cookies", action="store_true", help="mark cookies Secure (behind a TLS proxy)")
+    p.add_argument("--forwarded-allow-ips", default="127.0.0.1", help="proxies trusted for X-Forwarded-Proto")
+    p.add_argument("--log-level", default="warning")
+
+    u = sub.add_parser("user", help="accounts")
+    usub = u.add_subparsers(dest="action", required=True)
+    add = with_db(usub.add_parser("add"))
+    add.add_argument("name")
+    add.add_argument("--role", default="rater", choices=("rater", "admin"))
+    for action in ("disable", "enable", "token"):
+        with_db(usub.add_parser(action)).add_argument("name")
+
+    p = with_db(sub.add_parser("import", help="import a candidates folder (two: a comparison) as a batch"))
+    p.add_argument("folders", nargs="+")
+    p.add_argument("--name", required=True)
+    p.add_argument("--kind", default="ranking", choices=("ranking", "pairwise"))
+    p.add_argument("--raters", type=int, default=3)
+    p.add_argument("--gold")
+    p.add_argument("--gold-rate", type=float, default=0.0)
+    p.add_argument("--questions", nargs="+", default=["overall"])
+
+    p = with_db(sub.add_parser("export", help="answers as rankings JSONL (difftrain pairs' input)"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch")
+    p.add_argument("--include-flagged", action="store_true")
+
+    p = with_db(sub.add_parser("answers", help="every answer as CSV or Parquet"))
+    p.add_argument("--out", required=True)
+    with_db(sub.add_parser("figures", help="the admin page's figures as JSON"))
+    with_db(sub.add_parser("upgrade", help="create or upgrade the database schema"))
+    return ap
+
+
+def run(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "serve":
+        serve(args)
+        return
+    if args.cmd == "upgrade":
+        _db(args.db, migrate=True)
+        print(json.dumps({"db": args.db, "revision": "head"}))
+        return
+    db = _db(args.db, migrate=args.cmd in ("user", "import"))
+    if args.cmd == "user":
+        from difftrain_rate import auth
+
+        if args.action == "add":
+            uid = auth.add_user(db, args.name, _password(args.name), args.role)
+            print(json.dumps({"user": args.name, "id": uid, "role": args.role}))
+        elif args.action in ("disable", "enable"):
+            auth.set_disabled(db, args.name, args.action == "disable")
+            print(json.dumps({"user": args.name, "disabled": args.action == "disable"}))
+        else:
+            print(auth.new_token(db, args.name))
+    elif args.cmd == "import":
+        from difftrain_rate.batches import import_batch
+
+        print(json.dumps(import_batch(db, args.name, args.folders, args.kind, args.raters, args.gold_rate, args.gold,
+                                      args.questions)))
+    elif args.cmd == "export":
+        from difftrain_rate.export import write_rankings
+
+        print(json.dumps(write_rankings(db, args.out, args.batch, args.include_flagged)))
+    elif args.cmd == "answers":
+        from difftrain_rate.export import write_answers
+
+        print(json.dumps({"answers": write_answers(db, args.out), "out": args.out}))
+    elif args.cmd == "figures":
+        from difftrain_rate.report import admin_figures
+
+        print(json.dumps(admin_figures(db), indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        run(argv)
+    except RateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,241 @@
+"""The rating database: tables, the engine and its migrations.
+
+SQLite (a file; the default) or PostgreSQL, through SQLAlchemy; the schema is created and upgraded by Alembic
+(``migrations/``), never by ``create_all``. SQLite runs in WAL mode with ``synchronous=FULL`` (a committed answer
+survives a power cut) and a busy timeout, and every writing transaction starts with ``BEGIN IMMEDIATE``: it
+takes the write lock before reading, so two server processes never deadlock upgrading a read lock (SQLite's
+"database is locked"), they queue on the timeout instead. Read-only work (``read()``) starts a deferred
+transaction and does not queue behind writers.
+
+What the database enforces (not only the code): each item is rated by a rater at most once (unique (item,
+rater)) and has at most R rating slots (unique (item, slot), slots 0..R-1; gold items take the rater's id as
+their slot); an answer is one per assignment and one per idempotency key, so a retried post counts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+from sqlalchemy import (JSON, Boolean, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text,
+                        UniqueConstraint, create_engine, event)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from difftrain_rate.errors import RateError
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+def now() -> float:
+    return time.time()
+
+
+class User(Base):
+    __tablename__ = "users"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    password_hash: Mapped[str] = mapped_column(String(200))
+    role: Mapped[str] = mapped_column(String(16))
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+    __table_args__ = (CheckConstraint("role in ('rater', 'admin')", name="ck_users_role"),)
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class WebSession(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)       # SHA-256 of the cookie's token
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    csrf: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+    expires_at: Mapped[float] = mapped_column(Float)
+
+
+class LoginFailure(Base):
+    __tablename__ = "login_failures"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(200), index=True)           # "name:<name>" or "ip:<address>"
+    at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class RatingBatch(Base):
+    __tablename__ = "batches"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))                       # pairwise | ranking
+    folders: Mapped[list] = mapped_column(JSON)                          # candidates folders (2: a comparison)
+    models: Mapped[list] = mapped_column(JSON)                           # the folders' checkpoints (hidden)
+    raters: Mapped[int] = mapped_column(Integer)                         # R: distinct raters per item
+    gold_rate: Mapped[float] = mapped_column(Float, default=0.0)
+    questions: Mapped[list] = mapped_column(JSON)                        # ["overall", ...]
+    status: Mapped[str] = mapped_column(String(16), default="open")
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+    __table_args__ = (CheckConstraint("kind in ('pairwise', 'ranking')", name="ck_batches_kind"),
+                      CheckConstraint("raters >= 1", name="ck_batches_raters"))
+
+
+class Image(Base):
+    __tablename__ = "images"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)       # opaque: random, never a path or a seed
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), index=True)
+    item_id: Mapped[str] = mapped_column(String(32), index=True)        # the one item showing it
+    path: Mapped[str] = mapped_column(Text)                              # absolute, inside one of the batch's folders
+    candidate: Mapped[str] = mapped_column(String(200))                  # the candidate id ('' for a source image)
+    model: Mapped[int] = mapped_column(Integer, default=0)               # which folder (a comparison's A = 0, B = 1)
+
+
+class Item(Base):
+    __tablename__ = "items"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)       # opaque
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id"), index=True)
+    prompt_id: Mapped[str] = mapped_column(String(200))
+    prompt: Mapped[str] = mapped_column(Text)
+    task: Mapped[str] = mapped_column(String(16))
+    images: Mapped[list] = mapped_column(JSON)                           # candidate image ids, in import order
+    context: Mapped[list] = mapped_column(JSON)                          # an edit's source image id(s)
+    frames: Mapped[int] = mapped_column(Integer, default=1)
+    gold: Mapped[list | None] = mapped_column(JSON(none_as_null=True), nullable=True)       # the known order (image ids, best first)
+    seq: Mapped[int] = mapped_column(Integer, default=0)                 # serving order within the batch
+
+
+class Assignment(Base):
+    __tablename__ = "assignments"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    item_id: Mapped[str] = mapped_column(ForeignKey("items.id"))
+    rater_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    slot: Mapped[int] = mapped_column(Integer)
+    order: Mapped[list] = mapped_column(JSON)                            # the item's images as this rater sees them
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+    answered: Mapped[bool] = mapped_column(Boolean, default=False)
+    __table_args__ = (UniqueConstraint("item_id", "rater_id", name="uq_assignment_item_rater"),
+                      UniqueConstraint("item_id", "slot", name="uq_assignment_item_slot"),
+                      Index("ix_assignments_rater", "rater_id", "answered"))
+
+
+class Answer(Base):
+    __tablename__ = "answers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    assignment_id: Mapped[int] = mapped_column(ForeignKey("assignments.id"), unique=True)
+    item_id: Mapped[str] = mapped_column(ForeignKey("items.id"), index=True)
+    rater_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    idempotency_key: Mapped[str] = mapped_column(String(100), unique=True)
+    order: Mapped[list] = mapped_column(JSON)        # image ids best first; a sub-list is a tie; [] = skipped
+    outcome: Mapped[str] = mapped_column(String(16))  # ranked | tie | both_bad | skip
+    extra: Mapped[dict] = mapped_column(JSON)         # answers to the batch's extra questions
+    seconds: Mapped[float] = mapped_column(Float)     # from serving the item to the answer
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+# ---- engine -------------------------------------------------------------------------------------------------
+def _is_sqlite(url: str) -> bool:
+    return url.startswith("sqlite")
+
+
+def normalize_url(url: str) -> str:
+    """A bare path means a SQLite file; ``postgresql://`` uses psycopg 3."""
+    if "://" not in url:
+        return f"sqlite:///{Path(url).resolve()}"
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def make_engine(url: str, pool_size: int = 10) -> Engine:
+    url = normalize_url(url)
+    if _is_sqlite(url):
+        path = url.split("sqlite:///", 1)[-1]
+        if path and path != ":memory:" and not Path(path).parent.is_dir():
+            raise RateError(f"--db {url}: the folder {Path(path).parent} does not exist")
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _connect(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None            # transactions are begun below, not by the driver
+            cur = dbapi_conn.cursor()
+            for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=30000", "foreign_keys=ON"):
+                cur.execute(f"PRAGMA {pragma}")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn):
+            conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get("readonly") else "BEGIN IMMEDIATE")
+    else:
+        engine = create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    return engine
+
+
+class Database:
+    """The engine and sessions: ``write()`` (an immediate transaction, committed on exit) and ``read()``."""
+
+    def __init__(self, url: str, pool_size: int = 10):
+        self.url = normalize_url(url)
+        self.engine = make_engine(url, pool_size)
+        self.reader = self.engine.execution_options(readonly=True)
+
+    @contextlib.contextmanager
+    def write(self):
+        with Session(self.engine, expire_on_commit=False) as s, s.begin():
+            yield s
+
+    @contextlib.contextmanager
+    def read(self):
+        with Session(self.reader, expire_on_commit=False) as s, s.begin():
+            yield s
+
+    def check(self) -> None:
+        """A clear error for a database that cannot be reached or is not at the current schema."""
+        from sqlalchemy import text
+        from sqlalchemy.exc import OperationalError
+
+        try:
+            with self.engine.connect() as c:
+                c.execute(text("select 1"))
+        except OperationalError as e:
+            msg = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+            raise RateError(f"--db {self.url}: cannot reach the database ({msg})") from None
+        have, want = current_revision(self.engine), head_revision()
+        if have != want:
+            raise RateError(f"--db {self.url}: schema revision {have or 'none'}, this version needs {want}: run "
+                            "'difftrain rate upgrade --db URL'")
+
+
+# ---- migrations ---------------------------------------------------------------------------------------------
+def _alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    cfg.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str) -> str:
+    """Bring the database to the newest schema (creating it); returns the revision."""
+    from alembic import command
+
+    command.upgrade(_alembic_config(url), "head")
+    return head_revision()
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as c:
+        return MigrationContext.configure(c).get_current_revision()

@@ -1,0 +1,158 @@
+"""What the admin page shows and what is exported, computed from the database.
+
+A rater is **flagged** when they answered at least ``MIN_GOLD`` gold units and agree with gold on less than
+``GOLD_THRESHOLD`` of them; flagged raters are left out of the figures of agreement and alpha, of win rates and of
+the export unless asked for.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from sqlalchemy import func, select
+
+from difftrain_rate.db import Answer, Database, Image, Item, RatingBatch, User
+from difftrain_rate.stats import (bradley_terry, gold_score, krippendorff_alpha, majority, preferences, wilson)
+
+GOLD_THRESHOLD = 0.7
+MIN_GOLD = 5
+
+
+def _load(s, batch_ids: list[int] | None = None):
+    q = (select(Answer, Item, User.name).join(Item, Item.id == Answer.item_id).join(User, User.id == Answer.rater_id))
+    if batch_ids is not None:
+        q = q.where(Item.batch_id.in_(batch_ids))
+    return s.execute(q).all()
+
+
+def rater_quality(s) -> dict[str, dict]:
+    """Per rater: answers, median seconds an item, gold units and agreement, agreement with the majority, flagged."""
+    rows = _load(s)
+    out: dict[str, dict] = defaultdict(lambda: {"answers": 0, "seconds": [], "gold_score": 0.0, "gold_units": 0,
+                                                "maj_agree": 0, "maj_units": 0})
+    units: dict[tuple, dict[str, int]] = defaultdict(dict)
+    for ans, item, name in rows:
+        r = out[name]
+        r["answers"] += 1
+        r["seconds"].append(ans.seconds)
+        prefs = preferences(ans.order, ans.outcome, [v[0] for v in item.images])
+        if item.gold is not None:
+            gold = preferences(item.gold, "ranked", [v[0] for v in item.images])
+            sc, n = gold_score(prefs, gold)
+            r["gold_score"] += sc
+            r["gold_units"] += n
+        else:
+            for u, v in prefs.items():
+                units[(item.id, u)][name] = v
+    for votes in units.values():
+        if len(votes) < 2:
+            continue
+        for name, v in votes.items():
+            others = [w for n, w in votes.items() if n != name]
+            m = majority(others)
+            if m is not None:
+                out[name]["maj_units"] += 1
+                out[name]["maj_agree"] += int(v == m)
+    result = {}
+    for name, r in sorted(out.items()):
+        gold = r["gold_score"] / r["gold_units"] if r["gold_units"] else None
+        result[name] = {"answers": r["answers"], "median_seconds": round(statistics.median(r["seconds"]), 2),
+                        "gold_units": r["gold_units"], "gold_agreement": None if gold is None else round(gold, 4),
+                        "majority_agreement": round(r["maj_agree"] / r["maj_units"], 4) if r["maj_units"] else None,
+                        "flagged": bool(gold is not None and r["gold_units"] >= MIN_GOLD and gold < GOLD_THRESHOLD)}
+    return result
+
+
+def flagged(s) -> set[str]:
+    return {n for n, r in rater_quality(s).items() if r["flagged"]}
+
+
+def batch_figures(s, batch: RatingBatch, exclude: set[str]) -> dict:
+    items = s.scalars(select(Item).where(Item.batch_id == batch.id, Item.gold.is_(None))).all()
+    counts = dict(s.execute(select(Answer.item_id, func.count()).join(Item, Item.id == Answer.item_id)
+                            .where(Item.batch_id == batch.id).group_by(Answer.item_id)).all())
+    complete = sum(1 for i in items if counts.get(i.id, 0) >= batch.raters)
+    rows = [(a, i, n) for a, i, n in _load(s, [batch.id]) if i.gold is None and n not in exclude]
+    alpha = {}
+    for q in batch.questions:
+        units: dict[tuple, list[int]] = defaultdict(list)
+        for ans, item, _ in rows:
+            handles = [v[0] for v in item.images]
+            if q == "overall":
+                prefs = preferences(ans.order, ans.outcome, handles)
+            else:
+                choice = (ans.extra or {}).get(q)        # a handle, or "tie"
+                if choice is None or (choice != "tie" and choice not in handles):
+                    continue
+                prefs = (preferences([], "tie", handles) if choice == "tie" else
+                         preferences([choice] + [h for h in handles if h != choice], "ranked", handles))
+            for u, v in prefs.items():
+                units[(item.id, u)].append(v)
+        a = krippendorff_alpha(units)
+        alpha[q] = None if a is None else round(a, 4)
+    out = {"batch": batch.name, "kind": batch.kind, "items": len(items), "complete": complete,
+           "answers": sum(counts.get(i.id, 0) for i in items), "target": len(items) * batch.raters,
+           "alpha": alpha, "status": batch.status}
+    if len(batch.folders) == 2:
+        model = dict(s.execute(select(Image.id, Image.model).where(Image.batch_id == batch.id)).all())
+        score, n = 0.0, 0
+        for ans, item, _ in rows:
+            if ans.outcome == "skip":
+                continue
+            if ans.outcome in ("tie", "both_bad"):
+                score += 0.5
+            else:
+                best = ans.order[0]
+                best = best[0] if isinstance(best, list) and len(best) == 1 else best
+                score += 0.5 if isinstance(best, list) else float(model[best] == 0)
+            n += 1
+        lo, hi = wilson(score, n)
+        out["comparison"] = {"a": batch.models[0], "b": batch.models[1], "n": n,
+                             "a_win_rate": round(score / n, 4) if n else None, "ci95": [round(lo, 4), round(hi, 4)]}
+    return out
+
+
+def admin_figures(db: Database) -> dict:
+    with db.read() as s:
+        quality = rater_quality(s)
+        exclude = {n for n, r in quality.items() if r["flagged"]}
+        batches = s.scalars(select(RatingBatch).order_by(RatingBatch.id)).all()
+        figures = [batch_figures(s, b, exclude) for b in batches]
+    games = []
+    for f in figures:
+        c = f.get("comparison")
+        if c and c["n"]:
+            a, b = _label(c["a"]), _label(c["b"])
+            # each answer a game: wins as the share, spread over n games
+            games += [(a, b, c["a_win_rate"])] * c["n"]
+    ranking = bradley_terry(games) if games else {}
+    return {"batches": figures, "raters": quality,
+            "bradley_terry": sorted(({"model": m, "strength": round(v, 4)} for m, v in ranking.items()),
+                                    key=lambda r: -r["strength"])}
+
+
+def _label(model) -> str:
+    if isinstance(model, dict):
+        return f"{model.get('checkpoint', '?')}@{model.get('step', '?')}"
+    return str(model)[:16]
+
+
+def rankings(db: Database, batch: str | None = None, include_flagged: bool = False) -> tuple[list[dict], list[str]]:
+    """The answers as rankings (``difftrain pairs``' input: candidate ids best first, equal ones in a list), of
+    one-folder batches, gold items and skips left out; and the candidates folders they refer to."""
+    with db.read() as s:
+        exclude = set() if include_flagged else flagged(s)
+        q = select(RatingBatch).where(RatingBatch.name == batch) if batch else select(RatingBatch)
+        batches = [b for b in s.scalars(q).all() if len(b.folders) == 1]
+        out, folders = [], sorted({b.folders[0] for b in batches})
+        for b in batches:
+            cand = dict(s.execute(select(Image.id, Image.candidate).where(Image.batch_id == b.id)).all())
+            for ans, item, name in _load(s, [b.id]):
+                if item.gold is not None or ans.outcome == "skip" or name in exclude:
+                    continue
+                handles = [v[0] for v in item.images]
+                order = ([[cand[h] for h in handles]] if ans.outcome in ("tie", "both_bad") else
+                         [[cand[h] for h in g] if isinstance(g, list) else cand[g] for g in ans.order])
+                out.append({"prompt_id": item.prompt_id, "rater": name, "order": order, "batch": b.name})
+    return out, folders
