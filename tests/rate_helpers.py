@@ -59,3 +59,31 @@ def post_answer(client, csrf: str | None, assignment, order, key: str, outcome: 
     headers = {"X-CSRF-Token": csrf} if csrf else {}
     return client.post("/api/answer", json={"assignment": int(assignment), "key": key, "order": order,
                                             "outcome": outcome, "extra": extra or {}}, headers=headers)
+
+
+def database_url(kind: str, tmp_path: Path):
+    """A fresh, empty database of ``kind`` ('sqlite' or 'postgresql') and a function that drops it. PostgreSQL:
+    a new database on the server ``DIFFTRAIN_TEST_PG`` names (a role that may create databases); CI starts one
+    (``.ci/run``); elsewhere the PostgreSQL cases are skipped without it."""
+    import os
+    import uuid
+
+    import pytest
+
+    if kind == "sqlite":
+        return str(tmp_path / "rate.db"), lambda: None
+    base = os.environ.get("DIFFTRAIN_TEST_PG")
+    if not base:
+        if os.environ.get("CI"):
+            pytest.fail("DIFFTRAIN_TEST_PG is not set: CI runs the PostgreSQL tests (.ci/run starts a server)")
+        pytest.skip("no PostgreSQL server: set DIFFTRAIN_TEST_PG=postgresql://user:pass@host/db")
+    import psycopg
+
+    name = f"rate_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(base, autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+
+    def drop():
+        with psycopg.connect(base, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return base.rsplit("/", 1)[0] + "/" + name, drop

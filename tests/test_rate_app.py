@@ -17,17 +17,19 @@ from difftrain_rate.batches import import_batch
 from difftrain_rate.db import Answer, Assignment, Database, Item, upgrade
 from difftrain_rate.errors import RateError
 
-from rate_helpers import PASSWORD, add_users, candidates_folder, page_state, post_answer, sign_in
+from rate_helpers import PASSWORD, add_users, candidates_folder, database_url, page_state, post_answer, sign_in
 
 
-@pytest.fixture
-def rate(tmp_path):
-    url = str(tmp_path / "rate.db")
+@pytest.fixture(params=["sqlite", "postgresql"])
+def rate(request, tmp_path):
+    url, drop = database_url(request.param, tmp_path)
     upgrade(url)
     db = Database(url)
     add_users(db, "alice", "bob", "carol")
     add_users(db, "root", role="admin")
-    return db, url, tmp_path
+    yield db, url, tmp_path
+    db.engine.dispose()
+    drop()
 
 
 def client(url: str, name: str | None = None) -> TestClient:
@@ -37,10 +39,12 @@ def client(url: str, name: str | None = None) -> TestClient:
     return c
 
 
-def test_sqlite_is_migrated_by_alembic_with_wal_and_full_sync(rate):
+def test_sqlite_is_migrated_by_alembic_with_wal_and_full_sync(tmp_path):
     from difftrain_rate.db import current_revision, head_revision
 
-    db, url, _ = rate
+    url = str(tmp_path / "rate.db")
+    upgrade(url)
+    db = Database(url)
     assert current_revision(db.engine) == head_revision() == "0001"
     with db.engine.connect() as c:
         assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"

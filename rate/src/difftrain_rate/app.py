@@ -139,7 +139,10 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         p = principal(request)
         if p is None:
             return denied(request, False)
-        served = assign.next_item(db, p.user.id)
+        try:
+            served = assign.next_item(db, p.user.id)
+        except assign.Conflict as e:
+            return Response(f"{e}; reload in a moment", status_code=503, headers={"Retry-After": "1"})
         if served is None:
             return page("done.html", user=p.user, csrf=p.csrf)
         return page("rate.html", user=p.user, csrf=p.csrf, it=item_json(served))
@@ -149,7 +152,10 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         p = principal(request)
         if p is None:
             return denied(request, True)
-        served = assign.next_item(db, p.user.id)
+        try:
+            served = assign.next_item(db, p.user.id)
+        except assign.Conflict as e:
+            return JSONResponse({"error": str(e)}, status_code=503, headers={"Retry-After": "1"})
         return JSONResponse({"item": None} if served is None else item_json(served))
 
     async def body_json(request: Request) -> dict | None:

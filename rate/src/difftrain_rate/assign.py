@@ -76,11 +76,11 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Ser
                 item, slot = None, None
                 batches = s.scalars(select(RatingBatch).where(RatingBatch.status == "open")).all()
                 gold_rate = max((b.gold_rate for b in batches), default=0.0)
+                gold = (select(Item).join(RatingBatch, RatingBatch.id == Item.batch_id)
+                        .where(RatingBatch.status == "open", RatingBatch.gold_rate > 0, Item.gold.is_not(None), ~seen)
+                        .order_by(func.random()).limit(1))
                 if gold_rate and rng.random() < gold_rate:
-                    item = s.scalar(select(Item).join(RatingBatch, RatingBatch.id == Item.batch_id)
-                                    .where(RatingBatch.status == "open", RatingBatch.gold_rate > 0,
-                                           Item.gold.is_not(None), ~seen)
-                                    .order_by(func.random()).limit(1))
+                    item = s.scalar(gold)
                     slot = rater          # gold: every rater once; the slot is the rater's own
                 if item is None:
                     taken = (select(func.count()).select_from(Assignment).where(Assignment.item_id == Item.id)
@@ -89,11 +89,16 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Ser
                                     .where(RatingBatch.status == "open", Item.gold.is_(None), ~seen,
                                            taken < RatingBatch.raters)
                                     .order_by(taken.desc(), Item.batch_id, Item.seq).limit(1)).first()
-                    if row is None:
+                    if row is not None:
+                        item = row[0]
+                        used = set(s.scalars(select(Assignment.slot).where(Assignment.item_id == item.id)))
+                        slot = next(k for k in range(len(used) + 1) if k not in used)
+                        if slot >= s.get(RatingBatch, item.batch_id).raters:
+                            raise IntegrityError("the item's slots filled since it was chosen", None, None)
+                    elif gold_rate:               # nothing else left: the gold items not seen yet
+                        item, slot = s.scalar(gold), rater
+                    if item is None:
                         return None
-                    item = row[0]
-                    used = set(s.scalars(select(Assignment.slot).where(Assignment.item_id == item.id)))
-                    slot = next(k for k in range(len(used) + 1) if k not in used)
                 order = [v[0] for v in item.images]
                 rng.shuffle(order)                            # sides and order randomised per assignment
                 a = Assignment(item_id=item.id, rater_id=rater, slot=slot, order=order, answered=False,

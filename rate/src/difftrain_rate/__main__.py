@@ -1,0 +1,3 @@
+from difftrain_rate.cli import main
+
+main()
