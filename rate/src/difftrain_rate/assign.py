@@ -40,9 +40,17 @@ class Served:
     progress: tuple[int, int]    # (answered by this rater in open batches, available to them in all)
 
 
+_last_release = [0.0]
+
+
 def _release_stale(s) -> None:
-    stale = select(Assignment.id).where(Assignment.answered.is_(False), Assignment.created_at < now() - ASSIGNMENT_TTL)
-    s.execute(delete(Assignment).where(Assignment.id.in_(stale)))
+    """Release assignments unanswered for ASSIGNMENT_TTL (at most every few seconds per process: a scan of the open
+    assignments' index, not of every one)."""
+    t = now()
+    if t - _last_release[0] < 5.0:
+        return
+    _last_release[0] = t
+    s.execute(delete(Assignment).where(Assignment.answered.is_(False), Assignment.created_at < t - ASSIGNMENT_TTL))
 
 
 def _progress(s, rater: int) -> tuple[int, int]:
@@ -88,7 +96,10 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Ser
                     row = s.execute(select(Item, taken).join(RatingBatch, RatingBatch.id == Item.batch_id)
                                     .where(RatingBatch.status == "open", Item.gold.is_(None), ~seen,
                                            taken < RatingBatch.raters)
-                                    .order_by(taken.desc(), Item.batch_id, Item.seq).limit(1)).first()
+                                    .order_by(taken.desc(), Item.batch_id, Item.seq).limit(1)
+                                    # PostgreSQL: the chosen item's row stays locked to this transaction and the
+                                    # others skip it (no race for its slots); SQLite's writers are serial anyway.
+                                    .with_for_update(of=Item, skip_locked=True)).first()
                     if row is not None:
                         item = row[0]
                         used = set(s.scalars(select(Assignment.slot).where(Assignment.item_id == item.id)))

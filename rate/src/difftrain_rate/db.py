@@ -120,7 +120,8 @@ class Assignment(Base):
     answered: Mapped[bool] = mapped_column(Boolean, default=False)
     __table_args__ = (UniqueConstraint("item_id", "rater_id", name="uq_assignment_item_rater"),
                       UniqueConstraint("item_id", "slot", name="uq_assignment_item_slot"),
-                      Index("ix_assignments_rater", "rater_id", "answered"))
+                      Index("ix_assignments_rater", "rater_id", "answered"),
+                      Index("ix_assignments_open", "answered", "created_at"))
 
 
 class Answer(Base):
