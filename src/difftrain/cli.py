@@ -100,6 +100,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=0,
                    help="with --pickapic: centre-crop and resize images to this size (0 = as they are)")
 
+    p = sub.add_parser("align", help="preference rounds: candidates -> the rating app -> pairs -> DPO -> eval, "
+                                     "each round resumable at any stage",
+                       description="Preference rounds (see docs/rating.md): candidates from the round's checkpoint, "
+                                   "a batch in the rating app, its answers as pairs, DPO, evaluation; rerun to resume.")
+    p.add_argument("config", help="the DPO config (preset name or path); dpo.init is the first round's checkpoint")
+    p.add_argument("--prompts", required=True, help="the prompts file (as 'difftrain candidates' reads)")
+    p.add_argument("--db", required=True, help="the rating app's database (SQLite path or postgresql://...)")
+    p.add_argument("--out", required=True, help="the rounds' folder (round_001/, ...)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--k", type=int, default=4, help="candidates a prompt")
+    p.add_argument("--raters-per-item", type=int, default=3, help="R: distinct raters an item")
+    p.add_argument("--rater", action="append", default=[], metavar="auto:NAME[:POLICY]",
+                   help="a scripted rater answering through the app's HTTP API (policy light, noisy or random)")
+    p.add_argument("--app", default=None, help="the app's URL (default: one started here for the rating stage)")
+    p.add_argument("--gold", default=None, help="gold answers (JSONL of prompt_id and order)")
+    p.add_argument("--gold-share", type=float, default=0.0, help="share of prompts made gold by --gold-measure")
+    p.add_argument("--gold-measure", default="light", help="the measure that orders gold candidates")
+    p.add_argument("--gold-rate", type=float, default=0.0, help="share of a rater's items that are gold")
+    p.add_argument("--eval-n", type=int, default=64, help="evaluation prompts a task before and after (0: none)")
+    p.add_argument("--wait", type=float, default=7 * 24 * 3600, help="seconds to wait for the ratings")
+    p.add_argument("--until", default=None, choices=("candidates", "batch", "rated", "pairs", "dpo"),
+                   help="stop after this stage of the current round (rerun to go on)")
+    p.add_argument("--seed", type=int, default=0)
+    _add_set(p)
+
     p = sub.add_parser("rate", add_help=False,
                        help="the rating app: serve, user, import, figures, upgrade (as difftrain-rate) and export "
                             "(the app's answers -> a pairs file)",
@@ -309,6 +334,18 @@ def cmd_pairs(args) -> int:
     return 0
 
 
+def cmd_align(args) -> int:
+    from difftrain.align.loop import run_rounds
+
+    for name in ("rounds", "k", "raters_per_item"):
+        _check_positive("--" + name.replace("_", "-"), getattr(args, name))
+    records = run_rounds(args.config, args.prompts, args.db, args.out, args.rounds, args.k, args.raters_per_item,
+                         args.rater, args.app, args.gold, args.gold_measure, args.gold_share, args.gold_rate,
+                         args.eval_n, args.wait, args.overrides, args.seed, args.until)
+    print(json.dumps({"rounds": len(records), "last": records[-1] if records else None}))
+    return 0
+
+
 def cmd_rate(args) -> int:
     try:
         from difftrain_rate import cli as rate_cli
@@ -507,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "dpo": cmd_train, "candidates": cmd_candidates,
              "pairs": cmd_pairs, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo,
              "prepare": cmd_prepare, "shapes": cmd_shapes, "export": cmd_export, "report": cmd_report,
-             "rate": cmd_rate}
+             "rate": cmd_rate, "align": cmd_align}
     try:
         return verbs[args.verb](args)
     except UserError as e:

@@ -1,0 +1,70 @@
+"""``difftrain align`` end to end on a tiny model: candidates, a batch in the rating app (a real server started for
+the rating stage), scripted raters answering through its HTTP API (gold items mixed in), the pairs, DPO and the
+evaluation before and after; stopped after a stage and resumed without redoing what was done."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from difftrain.config import load_config, to_toml
+
+from conftest import TINY
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "difftrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_a_round_through_the_app_with_scripted_raters_resumes_at_any_stage(tmp_path):
+    base = load_config(None, TINY + ["train.steps=20", "train.checkpoint_every=10", "train.threads=1"])
+    (tmp_path / "base.toml").write_text(to_toml(base))
+    _cli(["train", "base.toml", "--run-dir", "base", "--no-progress"], tmp_path)
+    prompts = ["a small red circle in the top left", "a big blue square", "a small green triangle",
+               "a red square in the top right", "a blue circle", "a green circle in the centre"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    cfg = load_config(None, TINY + ["train.threads=1", "train.ema_decay=0", "train.steps=4", "train.checkpoint_every=2",
+                                    "train.lr=3e-4", "train.warmup_steps=0", "train.schedule=constant",
+                                    "train.global_batch=2", "dpo.init=base", "dpo.beta=200"])
+    (tmp_path / "dpo.toml").write_text(to_toml(cfg))
+    cmd = ["align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", "3",
+           "--raters-per-item", "2", "--rater", "auto:ann:light", "--rater", "auto:ben:light",
+           "--rater", "auto:cy:noisy", "--rater", "auto:spam:random", "--gold-share", "0.34", "--gold-rate", "0.3",
+           "--eval-n", "4"]
+    _cli(cmd + ["--until", "rated"], tmp_path)
+    record = json.loads((tmp_path / "rounds" / "round_001" / "round.json").read_text())
+    assert list(record["stages"]) == ["candidates", "batch", "rated"]
+    rated = record["stages"]["rated"]
+    assert rated["batch"]["complete"] == rated["batch"]["items"] == record["stages"]["batch"]["items"] > 0
+    assert record["stages"]["batch"]["gold_items"] > 0
+    assert set(rated["raters"]) == {"ann", "ben", "cy", "spam"}
+    assert rated["raters"]["ann"]["gold_agreement"] == 1.0                       # the measure gold is made by
+    first = {k: v["at"] for k, v in record["stages"].items()}
+
+    out = json.loads(_cli(cmd, tmp_path).stdout.splitlines()[-1])                 # resumed: pairs, DPO, eval
+    record = json.loads((tmp_path / "rounds" / "round_001" / "round.json").read_text())
+    assert list(record["stages"]) == ["candidates", "batch", "rated", "pairs", "dpo", "eval"]
+    assert {k: record["stages"][k]["at"] for k in first} == first                # nothing done twice
+    assert out["rounds"] == 1 and record["stages"]["pairs"]["pairs"] > 0
+    assert record["stages"]["dpo"]["steps"] == 4 and record["stages"]["dpo"]["beta"] == 200
+    assert (tmp_path / "rounds" / "round_001" / "dpo" / "export" / "model.safetensors").is_file()
+    for side in ("before", "after"):
+        assert 0.0 <= record["stages"]["eval"][side]["t2i_color_acc"] <= 1.0
+    # A third run has nothing left to do for round 1.
+    again = json.loads(_cli(cmd, tmp_path).stdout.splitlines()[-1])
+    assert again["last"]["stages"]["eval"]["at"] == record["stages"]["eval"]["at"]
+
+    bad = _cli(["align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "r2", "--rater",
+                "auto:solo", "--raters-per-item", "2"], tmp_path, check=False)
+    assert bad.returncode == 2 and "1 automatic rater(s) for --raters-per-item 2" in bad.stderr
