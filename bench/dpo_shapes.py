@@ -16,7 +16,12 @@ before/after (colour, position, shape, edit) and ``prompt_acc_drop_pp`` = the la
 resamples of the prompts (the upper end of a two-sided 95% interval); ``round_seconds`` (candidates, rating,
 pairs and DPO; not the evaluation).
 
-    python bench/dpo_shapes.py [--base demo-out/run] [--seeds 0 1] [--prompts 128] [--k 4] [--n 512]
+``--rater app`` runs the round through the rating app instead (``difftrain align``: the automatic rater, two noisy
+raters answering at random one time in five, a spammer always at random, 3 raters an item, 15% of prompts as gold
+items served at a rate of 0.2), and adds ``krippendorff_alpha``, each rater's ``gold_agreement``,
+``spammer_flagged`` (to be true) and ``noisy_flagged`` (to be false).
+
+    python bench/dpo_shapes.py [--base demo-out/run] [--seeds 0 1] [--prompts 128] [--k 4] [--n 512] [--rater app]
         [--dir DIR] [--set KEY=VALUE ...]
 
 Without ``--base`` (or when it is missing) the demo is run first (``difftrain demo --out DIR/demo``, ~15 min).
@@ -109,6 +114,43 @@ def compare(before: dict, after: dict, rng: np.random.Generator, resamples: int 
             "prompt_acc_drop_upper95_pp": round(float(np.percentile(worst, 97.5)), 1)}
 
 
+def app_round(base: Path, root: Path, seed: int, args) -> dict:
+    """The round through the rating app: ``difftrain align`` with the automatic rater, two noisy raters (one answer in
+    five random) and a spammer (always random), 3 raters an item, gold items (a share of prompts, ordered by the
+    same lightness measure) mixed in; the round's record gives the agreement and who was flagged."""
+    from difftrain.config import from_dict, load_config, preset_path, to_toml
+    from difftrain.shapes import world_from_config
+    from difftrain.train.checkpoint import Checkpointer
+
+    root.mkdir(parents=True, exist_ok=True)
+    info = Checkpointer.read_info(base)
+    base_cfg = from_dict(info["config"], "base")
+    world = world_from_config(base_cfg.data, 9000 + seed)
+    (root / "prompts.txt").write_text("".join(world.prompt("t2i", i) + "\n" for i in range(args.prompts)))
+    cfg = load_config(preset_path(args.config), [f"run.seed={seed}", f'dpo.init="{base}"', *args.overrides])
+    (root / "dpo.toml").write_text(to_toml(cfg))
+    t0 = time.perf_counter()
+    cli("align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", str(args.k),
+        "--raters-per-item", "3", "--rater", "auto:direct:light", "--rater", "auto:noisy1:noisy",
+        "--rater", "auto:noisy2:noisy", "--rater", "auto:spammer:random", "--gold-share", "0.15",
+        "--gold-rate", "0.2", "--eval-n", "0", "--seed", str(seed), cwd=root)
+    wall = time.perf_counter() - t0
+    record = json.loads((root / "rounds" / "round_001" / "round.json").read_text())
+    st = record["stages"]
+    raters = st["rated"]["raters"]
+    before = paired_eval(base, args.n, base_cfg.eval.seed, use_ema=True)
+    after = paired_eval(Path(st["dpo"]["run"]), args.n, base_cfg.eval.seed, use_ema=False)
+    return {"seed": seed, "rater": "app", **compare(before, after, np.random.default_rng(seed)),
+            "round_seconds": round(wall, 1), "candidates_s": st["candidates"]["seconds"],
+            "rating_s": st["rated"]["seconds"], "dpo_s": st["dpo"]["seconds"],
+            "krippendorff_alpha": st["rated"]["batch"]["alpha"]["overall"],
+            "gold_agreement": {n: r["gold_agreement"] for n, r in raters.items()},
+            "spammer_flagged": raters["spammer"]["flagged"],
+            "noisy_flagged": raters["noisy1"]["flagged"] or raters["noisy2"]["flagged"],
+            "answers": {n: r["answers"] for n, r in raters.items()},
+            "pairs": {k: st["pairs"].get(k) for k in ("pairs", "train", "validation", "ties_dropped")}}
+
+
 def one_round(base: Path, root: Path, seed: int, args) -> dict:
     from difftrain.config import from_dict, load_config, preset_path, to_toml
     from difftrain.shapes import world_from_config
@@ -150,7 +192,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128, help="text-to-image prompts ranked in the round")
     ap.add_argument("--k", type=int, default=4, help="candidates a prompt")
     ap.add_argument("--n", type=int, default=512, help="evaluation prompts per task (paired before/after)")
-    ap.add_argument("--rater", default="direct", choices=("direct",), help="the automatic rater")
+    ap.add_argument("--rater", default="direct", choices=("direct", "app"),
+                    help="direct: the automatic rater ranks the files; app: it, two noisy raters and a spammer rank "
+                         "through the rating app's HTTP API ('difftrain align')")
     ap.add_argument("--config", default="shapes-dpo", help="the DPO config (preset name or path; default shapes-dpo)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -162,10 +206,11 @@ def main() -> None:
         base = base_checkpoint(args, root)
         rounds = []
         for seed in args.seeds:
-            r = one_round(base, root / f"seed{seed}", seed, args)
+            r = (app_round if args.rater == "app" else one_round)(base, root / f"seed{seed}", seed, args)
             print(json.dumps(r), flush=True)
             rounds.append(r)
-        keys = ("preferred_rate_gain_pp", "prompt_acc_drop_pp", "prompt_acc_drop_upper95_pp", "round_seconds")
+        keys = ("preferred_rate_gain_pp", "prompt_acc_drop_pp", "prompt_acc_drop_upper95_pp", "round_seconds") + \
+            (("krippendorff_alpha", "spammer_flagged", "noisy_flagged") if args.rater == "app" else ())
         print(json.dumps({"summary": {k: [r[k] for r in rounds] for k in keys}, "base": str(base),
                           "settings": {"prompts": args.prompts, "k": args.k, "n": args.n, "config": args.config,
                                        "overrides": args.overrides}}))

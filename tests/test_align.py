@@ -68,3 +68,25 @@ def test_a_round_through_the_app_with_scripted_raters_resumes_at_any_stage(tmp_p
     bad = _cli(["align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "r2", "--rater",
                 "auto:solo", "--raters-per-item", "2"], tmp_path, check=False)
     assert bad.returncode == 2 and "1 automatic rater(s) for --raters-per-item 2" in bad.stderr
+
+
+def test_gold_prompts_are_drawn_apart_from_the_validation_split(tmp_path):
+    """Gold prompts (left out of the pairs) and the validation split are independent draws: the same hash would
+    make the gold share swallow every validation prompt (a round with no validation pairs)."""
+    import numpy as np
+    from PIL import Image
+
+    from difftrain.align.loop import _gold_file
+    from difftrain.align.pairs import _split
+
+    (tmp_path / "images").mkdir()
+    Image.fromarray(np.full((8, 8, 3), 100, np.uint8)).save(tmp_path / "images" / "x.png")
+    ids = [f"p{n:06d}" for n in range(1000)]
+    rows = [{"id": f"{p}-0", "prompt_id": p, "image": "images/x.png"} for p in ids]
+    (tmp_path / "candidates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gold = {json.loads(x)["prompt_id"] for x in _gold_file(tmp_path, "light", 0.15, 1, tmp_path / "g.jsonl")
+            .read_text().splitlines()}
+    validation = {p for p in ids if _split(1, p, 0.1) == "validation"}
+    assert 100 < len(gold) < 200 and 60 < len(validation) < 140
+    rest = validation - gold
+    assert 0.8 * len(validation) * 0.85 < len(rest) < 1.2 * len(validation) * 0.85      # independent: ~85% left

@@ -375,6 +375,9 @@ def cmd_rate(args) -> int:
         db = rate_cli._db(a.db)
         with tempfile.TemporaryDirectory() as tmp:
             got = write_rankings(db, f"{tmp}/rankings.jsonl", a.batch, a.include_flagged)
+            if not got["folders"]:
+                raise UserError(f"--db {a.db}: no batch of one candidates folder to export (comparisons are not "
+                                "preference pairs)")
             if len(got["folders"]) != 1:
                 raise UserError(f"--db {a.db}: the answers are of {len(got['folders'])} candidates folders "
                                 f"({got['folders']}); a pairs file is of one: choose a batch with --batch")
@@ -535,7 +538,11 @@ def _short_warnings(message, category, filename, lineno, file=None, line=None) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["rate"]:            # everything after 'rate' is the rating app's (its own --help included)
+        args = argparse.Namespace(verb="rate", rest=argv[1:], debug=False)
+    else:
+        args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s",
                         stream=sys.stderr)
     if not args.debug:

@@ -113,7 +113,8 @@ def _gold_file(cands: Path, measure: str, share: float, seed: int, out: Path) ->
     rows = [json.loads(x) for x in (cands / "candidates.jsonl").read_text().splitlines() if x.strip()]
     by: dict[str, list] = {}
     for r in rows:
-        pick = int.from_bytes(hashlib.sha256(f"{seed}:{r['prompt_id']}".encode()).digest()[:8], "big") / 2**64
+        # salted apart from the train/validation split (the same hash would make gold exactly its low end)
+        pick = int.from_bytes(hashlib.sha256(f"gold:{seed}:{r['prompt_id']}".encode()).digest()[:8], "big") / 2**64
         if pick < share:
             with Image.open(cands / r["image"]) as im:
                 by.setdefault(r["prompt_id"], []).append((MEASURES[measure](np.asarray(im.convert("RGB"))), r["id"]))
