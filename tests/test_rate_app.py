@@ -246,3 +246,25 @@ def test_bad_batches_are_refused_naming_the_file(rate):
         Database("postgresql://nobody:wrong@127.0.0.1:1/none").check()
     with db.read() as s:
         assert s.scalars(select(Item)).all() == []
+
+
+def test_session_cookie_flags_secure_behind_tls_and_sign_out_ends_the_session(rate):
+    db, url, tmp = rate
+    tls = TestClient(create_app(url), base_url="https://rate.example")
+    r = sign_in(tls, "alice")
+    cookie = r.headers["set-cookie"]
+    assert r.status_code == 303 and "HttpOnly" in cookie and "Secure" in cookie and "samesite=lax" in cookie.lower()
+    plain = client(url)
+    assert "Secure" not in sign_in(plain, "alice").headers["set-cookie"]       # no TLS, no --secure-cookies
+    forced = TestClient(create_app(url, secure_cookies=True))         # --secure-cookies (TLS ends at a proxy)
+    assert "Secure" in forced.get("/login").headers["set-cookie"]
+    # A sign-in form posted without its own token (a cross-site post) is refused.
+    assert client(url).post("/login", data={"name": "alice", "password": PASSWORD}).status_code == 403
+    # Sign out: the old cookie no longer opens anything, even replayed.
+    c = client(url, "carol")
+    token = c.cookies.get("dr_session")
+    csrf = page_state(c.get("/").text)["csrf"]
+    assert c.post("/logout", data={"csrf": csrf}, follow_redirects=False).status_code == 303
+    replay = client(url)
+    replay.cookies.set("dr_session", token)
+    assert replay.get("/api/next").status_code == 401
