@@ -150,9 +150,9 @@ def import_batch(db: Database, name: str, folders: list[str], kind: str = "ranki
     with db.write() as s:
         if s.scalar(select(RatingBatch).where(RatingBatch.name == name)) is not None:
             raise RateError(f"a batch named {name!r} exists")
-        batch = RatingBatch(name=name, kind=kind, folders=[str(Path(f).resolve()) for f in folders],
-                            models=[{k: m.get(k) for k in ("checkpoint", "step", "digest")} for m, _ in read], raters=raters, gold_rate=gold_rate,
-                            questions=questions, status="open")
+        models = [{k: m.get(k) for k in ("checkpoint", "step", "digest")} for m, _ in read]
+        batch = RatingBatch(name=name, kind=kind, folders=[str(Path(f).resolve()) for f in folders], models=models,
+                            raters=raters, gold_rate=gold_rate, questions=questions, status="open")
         s.add(batch)
         s.flush()
 

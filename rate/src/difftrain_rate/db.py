@@ -105,7 +105,8 @@ class Item(Base):
     images: Mapped[list] = mapped_column(JSON)                           # candidate image ids, in import order
     context: Mapped[list] = mapped_column(JSON)                          # an edit's source image id(s)
     frames: Mapped[int] = mapped_column(Integer, default=1)
-    gold: Mapped[list | None] = mapped_column(JSON(none_as_null=True), nullable=True)       # the known order (image ids, best first)
+    # the known order (image ids, best first); SQL NULL for an ordinary item
+    gold: Mapped[list | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     seq: Mapped[int] = mapped_column(Integer, default=0)                 # serving order within the batch
 
 

@@ -173,8 +173,8 @@ def _wait_rated(db, batch: str, raters: list[tuple[str, str]], app_url: str | No
                 raise UserError(f"batch {batch}: the automatic raters ran out of items with {fig['complete']} of "
                                 f"{fig['items']} complete: give more raters than --raters-per-item")
             if time.time() > deadline:
-                raise UserError(f"batch {batch}: {fig['complete']} of {fig['items']} items rated after {timeout:.0f} s; "
-                                "rerun 'difftrain align' to keep waiting")
+                raise UserError(f"batch {batch}: {fig['complete']} of {fig['items']} items rated after "
+                                f"{timeout:.0f} s; rerun 'difftrain align' to keep waiting")
             time.sleep(1.0)
         for t in threads:
             t.join(30)

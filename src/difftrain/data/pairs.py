@@ -478,7 +478,8 @@ class PairsLoader:
         self.step += 1
         length = self.pairs.text_length(rows, self.tokenize)
         mine = rows[self.rank * self.share:(self.rank + 1) * self.share]
-        return [self.pairs.batch(mine[m:m + self.micro], self.tokenize, length) for m in range(0, self.share, self.micro)]
+        return [self.pairs.batch(mine[m:m + self.micro], self.tokenize, length)
+                for m in range(0, self.share, self.micro)]
 
     def validation_batches(self, ranks: int) -> list[tuple[Batch, bool]]:
         """This rank's validation batches, round-robin over ranks, each with whether it counts: every rank gets
