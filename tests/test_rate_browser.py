@@ -59,8 +59,10 @@ def test_sign_in_rate_by_keyboard_undo_rank_and_admin(browser, tmp_path):
     add_users(db, "alice")
     add_users(db, "root", role="admin")
     import_batch(db, "pairs", [str(candidates_folder(tmp_path / "p", prompts=2, k=2))], kind="pairwise", raters=1)
-    import_batch(db, "rank", [str(candidates_folder(tmp_path / "r", prompts=1, k=3, prompt="rank {p}"))],
-                 kind="ranking", raters=1)
+    import_batch(db, "rank", [str(candidates_folder(tmp_path / "r", prompts=2, k=3, prompt="rank {p}"))],
+                 kind="ranking", raters=1, seed=0)
+    import_batch(db, "questions", [str(candidates_folder(tmp_path / "q", prompts=1, k=2, prompt="ask {p}"))],
+                 kind="pairwise", raters=1, questions=["overall", "aesthetics"])
     server = Server(url, workers=1).start()
     try:
         page = browser.new_page()
@@ -83,26 +85,43 @@ def test_sign_in_rate_by_keyboard_undo_rank_and_admin(browser, tmp_path):
         page.keyboard.press("2")                                           # right is better
         page.wait_for_selector(f"#state:not([data-assignment='{second}'])", state="attached")
         # Ranking of K = 3 by number keys: 3, then 1 (the last follows), Enter.
-        assert page.locator("#prompt").inner_text() == "rank 0" and page.locator(".candidate").count() == 3
+        assert page.locator("#prompt").inner_text().startswith("rank") and page.locator(".candidate").count() == 3
         third, h = _assignment(page), _handles(page)
         page.keyboard.press("3")
         page.keyboard.press("1")
         assert page.locator(".candidate.ranked").count() == 3
         page.keyboard.press("Enter")
+        page.wait_for_selector(f"#state:not([data-assignment='{third}'])", state="attached")
+        # The next ranking by dragging: the third candidate onto the first puts it first.
+        fourth, h4 = _assignment(page), _handles(page)
+        page.drag_and_drop(".candidate:nth-child(3)", ".candidate:nth-child(1)")
+        assert page.locator(".candidate.ranked").count() == 3
+        page.keyboard.press("Enter")
+        page.wait_for_selector(f"#state:not([data-assignment='{fourth}'])", state="attached")
+        # An extra question: overall (1: left), then aesthetics (2: right).
+        assert page.locator("#prompt").inner_text() == "ask 0"
+        fifth, h5 = _assignment(page), _handles(page)
+        assert "overall" in page.locator("#question").inner_text()
+        page.keyboard.press("1")
+        assert "looks better" in page.locator("#question").inner_text()
+        page.keyboard.press("2")
         page.wait_for_selector("#done")
         with db.read() as s:
             answers = {a.assignment_id: a for a in s.scalars(select(Answer))}
             n_assign = len(s.scalars(select(Assignment)).all())
         assert answers[first].outcome == "tie" and answers[third].order == [h[2], h[0], h[1]]
+        assert answers[fourth].order == [h4[2], h4[0], h4[1]]
+        assert answers[fifth].order == [h5[0], h5[1]] and answers[fifth].extra == {"aesthetics": h5[1]}
         assert answers[second].order[0] == s_right(answers[second], second, db)
-        assert len(answers) == 3 and n_assign == 3
+        assert len(answers) == 5 and n_assign == 5
         # The admin page shows the figures.
         admin = browser.new_page()
         _sign_in(admin, server.url, "root")
         admin.goto(server.url + "/admin")
         assert admin.locator("tr[data-batch='pairs'] .complete").inner_text() == "2 / 2"
-        assert admin.locator("tr[data-batch='rank'] .complete").inner_text() == "1 / 1"
-        assert admin.locator("tr[data-rater='alice'] .answers").inner_text() == "3"
+        assert admin.locator("tr[data-batch='rank'] .complete").inner_text() == "2 / 2"
+        assert "aesthetics" in admin.locator("tr[data-batch='questions'] .alpha").inner_text()
+        assert admin.locator("tr[data-rater='alice'] .answers").inner_text() == "5"
         # A rater's page offers no admin link, and the admin page refuses them.
         assert page.locator("a[href='/admin']").count() == 0
         assert page.goto(server.url + "/admin").status == 403

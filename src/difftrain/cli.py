@@ -173,6 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw another prompt set and other noise (default: eval.seed and sample.seed)")
     p.add_argument("--grid", default=None, help="also write a PNG grid of the generated samples here")
 
+    p = sub.add_parser("bench", help="measure kernels for a config on this machine",
+                       description="Measure kernels for a config on this machine.")
+    bsub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    att = bsub.add_parser("attention", help="every attention shape of the config: each backend's ms, the winner, "
+                                             "the hybrid's speed-up (the table attention.backend = 'auto' uses)")
+    att.add_argument("config", help="config path or preset name")
+    att.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                     help="default: train.precision's compute dtype on this device")
+    att.add_argument("--inference", action="store_true", help="forward only (no backward): sampling's kernels")
+    att.add_argument("--micro-batch", type=int, default=None, help="default: the config's micro-batch per rank")
+    att.add_argument("--reps", type=int, default=5)
+    att.add_argument("--backends", nargs="+", default=None, help="default: every backend")
+    att.add_argument("--cache", default=None, help="read and write the tuning cache here")
+    _add_set(att)
+
     p = sub.add_parser("plan", help="memory per GPU of each parallel strategy, which fit, the recommendation",
                        description="Estimate per-GPU memory (parameters, gradients, optimizer state, activations, "
                                    "encoders, buffers) and step-time cost of DDP / FSDP / HSDP, each with and "
@@ -343,6 +358,28 @@ def cmd_align(args) -> int:
                          args.rater, args.app, args.gold, args.gold_measure, args.gold_share, args.gold_rate,
                          args.eval_n, args.wait, args.overrides, args.seed, args.until)
     print(json.dumps({"rounds": len(records), "last": records[-1] if records else None}))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from difftrain.config import load_config, preset_path
+    from difftrain.diffusion.pipeline import amp_dtype, pick_device
+    from difftrain.models.kernels import BACKENDS, backend
+    from difftrain.parallel.dist import batch_split
+    from difftrain.parallel.tune import attention_shapes, dtype_name, summary, tune
+
+    cfg = load_config(preset_path(args.config), args.overrides)
+    for b in args.backends or []:
+        backend(b)
+    device = pick_device()
+    dtype = args.dtype or dtype_name(amp_dtype(cfg.train.precision, device))
+    micro = args.micro_batch or batch_split(cfg.train.global_batch, cfg.train.micro_batch, 1)[0]
+    shapes = attention_shapes(cfg, micro, dtype, max(1, cfg.parallel.cp))
+    results = tune(shapes, device, not args.inference, args.cache, args.backends, args.reps,
+                   max(1, cfg.parallel.cp))
+    print(json.dumps({"device": str(device), "dtype": dtype, "training": not args.inference,
+                      "backends": {n: b.doc for n, b in BACKENDS.items()}, "shapes": results,
+                      **summary(results)}, indent=1))
     return 0
 
 
@@ -551,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "dpo": cmd_train, "candidates": cmd_candidates,
              "pairs": cmd_pairs, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo,
              "prepare": cmd_prepare, "shapes": cmd_shapes, "export": cmd_export, "report": cmd_report,
-             "rate": cmd_rate, "align": cmd_align}
+             "rate": cmd_rate, "align": cmd_align, "bench": cmd_bench}
     try:
         return verbs[args.verb](args)
     except UserError as e:

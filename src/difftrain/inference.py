@@ -70,9 +70,28 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     params = {k: v.detach() for k, v in model.named_parameters()}
     Checkpointer.load_tensors(info["path"], "ema" if use_ema and cfg.train.ema_decay > 0 else "model", params)
     model.eval().requires_grad_(False)
+    _install_attention(cfg, model, device, info)
     pipe = Pipeline(model, text, ae.to(device), FlowSpec.from_config(cfg.diffusion), device,
                     amp_dtype(cfg.train.precision, device), sample_shift=(cfg.sample.shift, cfg.sample.shift_value))
     return pipe, cfg, info
+
+
+def _install_attention(cfg: Config, model, device: torch.device, info: dict) -> None:
+    """The run's attention kernel for sampling: a named backend as in training (checked for inference); 'auto'
+    the hybrid the run tuned (its cache), or SDPA's own choice when there is none."""
+    from difftrain.parallel.tune import cache_key, dtype_name, install, load_cache
+
+    if cfg.attention.backend != "auto":
+        install(cfg, model, device, amp_dtype(cfg.train.precision, device), False, 1)
+        return
+    from difftrain.models.attention import set_kernel
+    from difftrain.models.kernels import HybridKernel
+
+    run_dir = Path(info["path"]).parent.parent
+    cache = cfg.attention.cache or str(run_dir / "attention_tune.json")
+    shapes = load_cache(cache, cache_key(device, dtype_name(amp_dtype(cfg.train.precision, device)), True))
+    if shapes:
+        set_kernel(model, HybridKernel({k: r["winner"] for k, r in shapes.items()}))
 
 
 def _inference_config(cfg: Config) -> Config:

@@ -13,7 +13,8 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
                      "train.compile",
                      "train.compile_cache", "train.micro_batch", "data.read_threads", "data.prefetch",
                      "data.cache_dir", "data.cache_gb", "data.cache_lookahead", "data.max_error_rate", "sample.",
-                     "eval.", "health.", "data.encoder_actors", "data.encoder_device")
+                     "eval.", "health.", "data.encoder_actors", "data.encoder_device",
+                     "attention.")      # a kernel computes the math kernel's attention within its tolerance
 
 # Keys added after a checkpoint was written, with the value that computes what that checkpoint's release did:
 # a saved config without the key and a run with that value are the same run.

@@ -233,6 +233,17 @@ class ParallelConfig:
 
 
 @dataclass
+class AttentionConfig:
+    backend: str = meta("the attention kernel: 'sdpa' (PyTorch SDPA's own choice), 'auto' (each shape the run meets "
+                        "timed on every eligible backend at start-up, the fastest that matches the math kernel "
+                        "runs it: the hybrid), or one backend ('difftrain bench attention' lists them: sdpa-math, "
+                        "sdpa-flash, sdpa-efficient, sdpa-cudnn, sdpa-fa3, sdpa-fa4, flex, flash-attn)",
+                        default="sdpa")
+    cache: str = meta("where 'auto' keeps its timings (JSON, keyed by device, versions and dtype; '' = "
+                      "RUN/attention_tune.json; a shared path lets every run on the same GPUs reuse them)", default="")
+
+
+@dataclass
 class SampleConfig:
     steps: int = meta("Euler steps", ge=1, default=20)
     cfg_scale: float = meta("classifier-free guidance scale (1 = off)", ge=0, default=4.0)
@@ -329,3 +340,4 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)

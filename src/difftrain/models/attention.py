@@ -7,6 +7,8 @@ without touching the blocks.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -19,9 +21,24 @@ def sdpa(q_BHLD: Tensor, k_BHLD: Tensor, v_BHLD: Tensor, mask: Tensor | None) ->
 
 
 class Attention(nn.Module):
-    """Rotary attention; returns (B, L, H*D)."""
+    """Rotary attention; returns (B, L, H*D). ``kernel`` computes attention from (q, k, v, key mask): SDPA with
+    its own choice by default, or a backend of ``models.kernels`` (``set_kernel``)."""
+
+    def __init__(self, kernel: Callable | None = None):
+        super().__init__()
+        self.kernel = kernel or sdpa
 
     def forward(self, q_BHLD: Tensor, k_BHLD: Tensor, v_BHLD: Tensor, rope: tuple[Tensor, Tensor],
                 mask: Tensor | None = None) -> Tensor:
         q, k = apply_rope(q_BHLD, *rope), apply_rope(k_BHLD, *rope)
-        return sdpa(q, k, v_BHLD, mask).transpose(1, 2).flatten(2)
+        return self.kernel(q, k, v_BHLD, mask).transpose(1, 2).flatten(2)
+
+
+def set_kernel(model: nn.Module, kernel: Callable) -> int:
+    """Give every ``Attention`` of ``model`` (context parallelism's included) this kernel; how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.kernel = kernel
+            n += 1
+    return n

@@ -16,7 +16,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from difftrain.models.attention import Attention, sdpa
+from difftrain.models.attention import Attention
 from difftrain.models.rope import apply_rope
 
 
@@ -57,7 +57,7 @@ class UlyssesAttention(nn.Module):
         keys = torch.ones(B, Ls, dtype=torch.uint8, device=q.device) if mask is None else mask.reshape(B, Ls).to(torch.uint8)
         full = funcol.all_gather_tensor(keys[None], 0, self.group)          # (cp, B, Ls), rank-major
         full_mask = full.movedim(0, 1).reshape(B, 1, 1, self.cp * Ls).bool()
-        out = sdpa(q, k, v, full_mask)
+        out = self.local.kernel(q, k, v, full_mask)
         return _heads_to_seq(out, self.cp, self.group).transpose(1, 2).flatten(2)
 
 

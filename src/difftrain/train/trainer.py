@@ -127,6 +127,12 @@ class Trainer:
         self.text_encoder = build_text_encoder(cfg, vocab, self.device)
         self.model = self._build_model(found is None)
         self.dit = self.model["dit"]
+        from difftrain.parallel.tune import install as install_attention
+        self.attention = install_attention(cfg, self.model, self.device, self.amp, True, self.micro_batch,
+                                           self.env.cp, self.run_dir,
+                                           2 if self.objective.batch_kind == "pairs" else 1)
+        if self.attention["backend"] != "sdpa":
+            log.info("attention: %s", self.attention)
         self.denoiser = Denoiser(self.model, self.text_encoder, self.device, self.amp, self.env.cp, self.env.cp_rank,
                                  cfg.text.padding)
         self.flow = FlowSpec.from_config(cfg.diffusion)     # sampling (previews, eval) follows the training flow
