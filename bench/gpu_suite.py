@@ -11,7 +11,9 @@ Writes one JSON object (stdout and ``--out``):
 - ``planner_error``: (planner estimate - ``torch.cuda.max_memory_allocated``) / measured for the no-AC run;
 - ``trainer_step_s``: the same size of model through ``Trainer.train_step``, what ``difftrain train`` runs (FSDP2,
   EMA, per-sample generators, reductions), and ``host_syncs_in_a_step`` (one step under
-  ``torch.cuda.set_sync_debug_mode("warn")``; two are listed in docs/distributed.md; "not run" on a CPU).
+  ``torch.cuda.set_sync_debug_mode("warn")``; two are listed in docs/distributed.md; "not run" on a CPU);
+- ``attention_table``, ``hybrid_speedup``: the attention autotuner on FLUX-sized shapes in bf16 (each eligible
+  backend checked against the math kernel, then timed forward and backward; docs/kernels.md).
 
 Needs only torch (the GPU machine's preinstalled one) and ``PYTHONPATH=src``; no diffusers, no downloads.
 ``--smoke`` runs the same code on the CPU with a tiny model and no compilation (a test runs it, so the script
@@ -179,6 +181,23 @@ def planner_error(B: int, measured_bytes: int | None) -> dict:
     return out
 
 
+def attention_table(smoke: bool) -> dict:
+    """The attention autotuner on diffusion shapes (FLUX's 24 heads of 128 at 512^2, 1024^2 and 2048^2 with 512 text
+    tokens, masked and not), bf16, forward and backward: each eligible backend's ms, the winner, and the hybrid's
+    speed-up over the best single backend and over SDPA's own choice."""
+    from difftrain.models.kernels import Shape
+    from difftrain.parallel.tune import summary, tune
+
+    if smoke:
+        shapes = [Shape(1, 2, n, 16, "fp32", m) for n in (24, 40) for m in (False, True)]
+    else:
+        shapes = [Shape(1, 24, img + 512, 128, "bf16", m) for img in (1024, 4096, 16384) for m in (False, True)]
+    results = tune(shapes, DEVICE, True, None, reps=2 if smoke else 5)
+    s = summary(results)
+    return {"attention_table": {k: {"winner": r["winner"], "ms": r["ms"]} for k, r in results.items()},
+            "hybrid_speedup": s["hybrid_speedup_over_best_single"], "hybrid_speedup_over_sdpa": s["hybrid_speedup_over_sdpa"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_suite.json")
@@ -216,6 +235,10 @@ def main() -> None:
         out.update(trainer_run(args.steps, args.warmup, args.smoke))
     except Exception as e:
         out["error_trainer"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
+    try:
+        out.update(attention_table(args.smoke))
+    except Exception as e:
+        out["error_attention"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out))

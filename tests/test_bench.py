@@ -22,6 +22,7 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
                 "trainer_step_s"):
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result)
     assert 0 < result["mfu"] < 1
+    assert result["attention_table"] and result["hybrid_speedup"] >= 1.0
 
 
 def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):
