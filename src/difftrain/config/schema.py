@@ -80,6 +80,11 @@ class TextConfig:
                         "masked out of the DiT's attention; 'padded' = every caption padded to max_tokens and "
                         "attended, padding included (as FLUX.1 was trained: use it to fine-tune FLUX)",
                         choices=("masked", "padded"), default="masked")
+    precision: str = meta("weights of the frozen T5: 'native' (text.dtype) or 'fp8' (float8 weights of its linear "
+                          "layers through torchao, computed in text.dtype; the FFN output projections 'wo', "
+                          "embeddings and norms stay in text.dtype, as published FP8 T5 practice keeps them: wo "
+                          "reads T5's activation outliers). Recorded in the store's cache key",
+                          choices=("native", "fp8"), default="native")
 
 
 @dataclass

@@ -90,6 +90,8 @@ def encoder_identity(cfg) -> dict[str, Any]:
     if t.kind == "hf":     # frozen encoders: their embeddings are in the store
         out["text"] = {"kind": "hf", "t5": _path_digest(t.t5_path), "clip": _path_digest(t.clip_path),
                        "max_tokens": t.max_tokens, "dtype": t.dtype, "padding": t.padding}
+        if t.precision != "native":      # only then: stores written before the key existed keep their key
+            out["text"]["precision"] = t.precision
     else:                  # encoders trained with the model read the caption
         out["text"] = {"kind": "caption"}
     return out

@@ -19,7 +19,8 @@ def build_text_encoder(cfg: Config, vocabulary: list[str] | None = None, device:
             raise ValueError("text.kind = 'words' needs its word vocabulary (difftrain.sources.vocabulary_for(cfg))")
         return WordTextEncoder(vocabulary, t.max_tokens, t.dim, t.layers, padding=t.padding).to(device)
     from difftrain.models.hf_text import HFTextEncoder
-    return HFTextEncoder.from_paths(t.t5_path, t.clip_path, t.max_tokens, t.dtype, device=device, padding=t.padding)
+    return HFTextEncoder.from_paths(t.t5_path, t.clip_path, t.max_tokens, t.dtype, device=device, padding=t.padding,
+                                    precision=t.precision)
 
 
 def dit_params(cfg: Config, in_channels: int | None = None, text_dim: int | None = None,

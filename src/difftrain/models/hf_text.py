@@ -62,6 +62,29 @@ def _load(kind: str, path: str, dtype: torch.dtype):
     return model.to(dtype).eval().requires_grad_(False), tokenizer
 
 
+KEEP_FP8 = ("wo",)       # T5's FFN output projections: they read its activation outliers
+
+
+def fp8_eligible(module: nn.Module, fqn: str, keep: tuple[str, ...] = KEEP_FP8) -> bool:
+    """Linear layers quantized by text.precision = 'fp8': every nn.Linear but those named in ``keep`` (and none
+    whose dims are not multiples of 16, which float8 kernels cannot take)."""
+    return (isinstance(module, nn.Linear) and fqn.rsplit(".", 1)[-1] not in keep
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def quantize_fp8(model: nn.Module, keep: tuple[str, ...] = KEEP_FP8) -> int:
+    """float8 (e4m3) weights, one scale per output row, for ``model``'s eligible linears (torchao); computed in the
+    model's dtype. How many layers were quantized."""
+    try:
+        from torchao.quantization import Float8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise UserError("text.precision = 'fp8' needs torchao (pip install torchao==0.18.0, paired with torch "
+                        "2.13)") from None
+    names = [n for n, m in model.named_modules() if fp8_eligible(m, n, keep)]
+    quantize_(model, Float8WeightOnlyConfig(), filter_fn=lambda m, fqn: fp8_eligible(m, fqn, keep))
+    return len(names)
+
+
 class HFTextEncoder(nn.Module):
     """Frozen T5 and/or CLIP. Outputs are float32 whatever the compute dtype, so the DiT's autocast
     (not the encoder's storage dtype) decides the precision downstream."""
@@ -89,11 +112,19 @@ class HFTextEncoder(nn.Module):
 
     @classmethod
     def from_paths(cls, t5_path: str, clip_path: str, max_tokens: int = 512, dtype: str = "auto",
-                   device: torch.device | str | None = None, padding: str = "masked") -> "HFTextEncoder":
+                   device: torch.device | str | None = None, padding: str = "masked",
+                   precision: str = "native") -> "HFTextEncoder":
         if not (t5_path or clip_path):
             raise UserError("text.kind = 'hf' needs text.t5_path and/or text.clip_path")
+        if precision not in ("native", "fp8"):
+            raise UserError(f"text.precision = {precision!r}: expected 'native' or 'fp8'")
+        if precision == "fp8" and not t5_path:
+            raise UserError("text.precision = 'fp8' quantizes T5's linear layers: set text.t5_path (CLIP alone "
+                            "stays in text.dtype)")
         dt = _resolve_dtype(dtype)
         t5, t5_tok = _load("t5", t5_path, dt) if t5_path else (None, None)
+        if precision == "fp8":
+            quantize_fp8(t5)
         clip, clip_tok = _load("clip", clip_path, dt) if clip_path else (None, None)
         enc = cls(t5, t5_tok, clip, clip_tok, max_tokens, (t5_path, clip_path), padding)
         return enc.to(device) if device is not None else enc
