@@ -18,7 +18,7 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
 
 # Keys added after a checkpoint was written, with the value that computes what that checkpoint's release did:
 # a saved config without the key and a run with that value are the same run.
-EARLIER_BEHAVIOUR = {"model.positions": "corner", "text.precision": "native"}
+EARLIER_BEHAVIOUR = {"model.positions": "corner", "text.precision": "native", "train.fp8": "none"}
 
 
 def _section_defaults(section: str, cls) -> dict:

@@ -192,6 +192,11 @@ class TrainConfig:
     precision: str = meta("'auto' = bf16 autocast where the device supports it, else fp32",
                           choices=("auto", "bf16", "fp32"), default="auto")
     compile: bool = meta("torch.compile each block", default=False)
+    fp8: str = meta("float8 training of the DiT blocks' linear layers (torchao convert_to_float8_training): 'none', "
+                    "'tensorwise' or 'rowwise' scaling; embedders, modulation, the final layer and dims not "
+                    "multiples of 16 stay in the compute dtype; weights and optimizer state stay high precision "
+                    "(checkpoints unchanged). Needs float8 matmuls (CUDA sm89+); emulated on a CPU (tests)",
+                    choices=("none", "tensorwise", "rowwise"), default="none")
     compile_cache: str = meta("persistent compile cache directory ('' = RUN/compile_cache, so a restarted job does "
                               "not pay the full compile again; 'off' = torch's default per-user cache)", default="")
     threads: int = meta("CPU threads for torch (0 = torch's default)", ge=0, default=0)

@@ -208,6 +208,8 @@ class Trainer:
             modules["text"] = self.text_encoder
         model = nn.ModuleDict(modules)
         self._adapt(model)
+        from difftrain.parallel.fp8 import apply_fp8
+        self.fp8_layers = apply_fp8(model["dit"], cfg.train.fp8, self.device)
         if cfg.train.compile and cfg.train.compile_cache != "off":
             use_compile_cache(cfg.train.compile_cache or self.run_dir / "compile_cache")
         self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp)
