@@ -1,7 +1,7 @@
 """Float8 training against bf16 over the same steps: the shapes-tiny preset trained twice from the same seed, once
 with train.fp8 (the blocks' linears in float8) and once without, both under bf16 autocast; the loss curves side by
-side (means over windows of steps) and the difference of the last window. On a CPU float8 is emulated: the
-curves compare, the speed does not (the GPU suite measures ``fp8_train_speedup``).
+side (means over windows of steps) and the difference of the last window. A GPU benchmark: on a CPU float8 under
+bf16 autocast is emulated at ~90 s a step of shapes-tiny (bf16 alone: 0.19 s), so there use a few steps only.
 
     python bench/fp8_train.py [--steps 300] [--recipe tensorwise] [--window 50]
 """
