@@ -77,10 +77,21 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
             return auth.from_api_token(db, bearer[7:].strip())
         return auth.from_session(db, request.cookies.get(COOKIE))
 
-    def denied(request: Request, api: bool):
-        if api:
-            return JSONResponse({"error": "sign in first (a session cookie or an API token)"}, status_code=401)
-        return RedirectResponse("/login", status_code=303)
+    def gate(request: Request, api: bool, admin: bool = False, write: bool = False):
+        """(who, None) when the request may go on, else (None, the refusal): no session or token (a page goes to
+        sign-in, the API answers 401), not an admin where one is needed, an API write without the CSRF header."""
+        p = principal(request)
+        if p is None:
+            if api:
+                return None, JSONResponse({"error": "sign in first (a session cookie or an API token)"},
+                                          status_code=401)
+            return None, RedirectResponse("/login", status_code=303)
+        if admin and not p.is_admin:
+            return None, (JSONResponse({"error": "admins only"}, status_code=403) if api else
+                          Response("admins only", status_code=403))
+        if write and not p.csrf_ok(request.headers.get("x-csrf-token")):
+            return None, JSONResponse({"error": "CSRF token missing or wrong"}, status_code=403)
+        return p, None
 
     # ---- sign in / out ------------------------------------------------------------------------------------
     @app.get("/login")
@@ -115,9 +126,9 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
 
     @app.post("/logout")
     async def logout(request: Request):
-        p = principal(request)
-        if p is None:
-            return denied(request, False)
+        p, refused = gate(request, api=False)
+        if refused:
+            return refused
         form = await request.form()
         if not p.csrf_ok(str(form.get("csrf", ""))):
             return Response("CSRF token missing or wrong", status_code=403)
@@ -136,9 +147,9 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
 
     @app.get("/")
     def rate_page(request: Request):
-        p = principal(request)
-        if p is None:
-            return denied(request, False)
+        p, refused = gate(request, api=False)
+        if refused:
+            return refused
         try:
             served = assign.next_item(db, p.user.id)
         except assign.Conflict as e:
@@ -149,9 +160,9 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
 
     @app.get("/api/next")
     def api_next(request: Request):
-        p = principal(request)
-        if p is None:
-            return denied(request, True)
+        p, refused = gate(request, api=True)
+        if refused:
+            return refused
         try:
             served = assign.next_item(db, p.user.id)
         except assign.Conflict as e:
@@ -167,11 +178,9 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
 
     @app.post("/api/answer")
     async def api_answer(request: Request):
-        p = principal(request)
-        if p is None:
-            return denied(request, True)
-        if not p.csrf_ok(request.headers.get("x-csrf-token")):
-            return JSONResponse({"error": "CSRF token missing or wrong"}, status_code=403)
+        p, refused = gate(request, api=True, write=True)
+        if refused:
+            return refused
         data = await body_json(request)
         if data is None:
             return JSONResponse({"error": "expected a JSON object"}, status_code=400)
@@ -193,18 +202,16 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
 
     @app.post("/api/undo")
     async def api_undo(request: Request):
-        p = principal(request)
-        if p is None:
-            return denied(request, True)
-        if not p.csrf_ok(request.headers.get("x-csrf-token")):
-            return JSONResponse({"error": "CSRF token missing or wrong"}, status_code=403)
+        p, refused = gate(request, api=True, write=True)
+        if refused:
+            return refused
         return JSONResponse({"undone": assign.undo(db, p.user.id)})
 
     @app.get("/img/{image_id}")
     def image(image_id: str, request: Request):
-        p = principal(request)
-        if p is None:
-            return denied(request, True)
+        p, refused = gate(request, api=True)
+        if refused:
+            return refused
         if not IMAGE_ID.match(image_id):
             return Response("no such image", status_code=404)
         with db.read() as s:
@@ -221,31 +228,25 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
     # ---- admin --------------------------------------------------------------------------------------------
     @app.get("/admin")
     def admin_page(request: Request):
-        p = principal(request)
-        if p is None:
-            return denied(request, False)
-        if not p.is_admin:
-            return Response("admins only", status_code=403)
+        p, refused = gate(request, api=False, admin=True)
+        if refused:
+            return refused
         return page("admin.html", user=p.user, csrf=p.csrf, f=admin_figures(db))
 
     @app.get("/api/admin")
     def api_admin(request: Request):
-        p = principal(request)
-        if p is None:
-            return denied(request, True)
-        if not p.is_admin:
-            return JSONResponse({"error": "admins only"}, status_code=403)
+        p, refused = gate(request, api=True, admin=True)
+        if refused:
+            return refused
         return JSONResponse(admin_figures(db))
 
     @app.get("/admin/answers.csv")
     def export_csv(request: Request):
         from difftrain_rate.export import answers_csv
 
-        p = principal(request)
-        if p is None:
-            return denied(request, False)
-        if not p.is_admin:
-            return Response("admins only", status_code=403)
+        p, refused = gate(request, api=False, admin=True)
+        if refused:
+            return refused
         return Response(answers_csv(db), media_type="text/csv",
                         headers={"Content-Disposition": "attachment; filename=answers.csv"})
 

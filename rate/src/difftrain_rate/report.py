@@ -68,11 +68,16 @@ def flagged(s) -> set[str]:
     return {n for n, r in rater_quality(s).items() if r["flagged"]}
 
 
-def batch_figures(s, batch: RatingBatch, exclude: set[str]) -> dict:
-    items = s.scalars(select(Item).where(Item.batch_id == batch.id, Item.gold.is_(None))).all()
+def batch_progress(s, batch: RatingBatch) -> dict:
+    """Items (gold left out), those with their R answers, and answers against the target: counts only."""
+    ids = s.scalars(select(Item.id).where(Item.batch_id == batch.id, Item.gold.is_(None))).all()
     counts = dict(s.execute(select(Answer.item_id, func.count()).join(Item, Item.id == Answer.item_id)
-                            .where(Item.batch_id == batch.id).group_by(Answer.item_id)).all())
-    complete = sum(1 for i in items if counts.get(i.id, 0) >= batch.raters)
+                            .where(Item.batch_id == batch.id, Item.gold.is_(None)).group_by(Answer.item_id)).all())
+    return {"items": len(ids), "complete": sum(1 for n in counts.values() if n >= batch.raters),
+            "answers": sum(counts.values()), "target": len(ids) * batch.raters}
+
+
+def batch_figures(s, batch: RatingBatch, exclude: set[str]) -> dict:
     rows = [(a, i, n) for a, i, n in _load(s, [batch.id]) if i.gold is None and n not in exclude]
     alpha = {}
     for q in batch.questions:
@@ -91,9 +96,8 @@ def batch_figures(s, batch: RatingBatch, exclude: set[str]) -> dict:
                 units[(item.id, u)].append(v)
         a = krippendorff_alpha(units)
         alpha[q] = None if a is None else round(a, 4)
-    out = {"batch": batch.name, "kind": batch.kind, "items": len(items), "complete": complete,
-           "answers": sum(counts.get(i.id, 0) for i in items), "target": len(items) * batch.raters,
-           "alpha": alpha, "status": batch.status}
+    out = {"batch": batch.name, "kind": batch.kind, **batch_progress(s, batch), "alpha": alpha,
+           "status": batch.status}
     if len(batch.folders) == 2:
         model = dict(s.execute(select(Image.id, Image.model).where(Image.batch_id == batch.id)).all())
         score, n = 0.0, 0

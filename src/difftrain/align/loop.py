@@ -131,7 +131,7 @@ def _wait_rated(db, batch: str, raters: list[tuple[str, str]], app_url: str | No
     from difftrain.align.raters import answer_all
     from difftrain_rate.auth import add_user, new_token
     from difftrain_rate.db import RatingBatch, User
-    from difftrain_rate.report import batch_figures, rater_quality
+    from difftrain_rate.report import batch_figures, batch_progress, rater_quality
 
     app = None
     threads: list[threading.Thread] = []
@@ -162,7 +162,7 @@ def _wait_rated(db, batch: str, raters: list[tuple[str, str]], app_url: str | No
         while True:
             with db.read() as s:
                 b = s.scalar(select(RatingBatch).where(RatingBatch.name == batch))
-                fig = batch_figures(s, b, set())
+                fig = batch_progress(s, b)          # counts only: the figures once, at the end
             if fig["complete"] == fig["items"]:
                 break
             if (fig["complete"], fig["answers"]) != last:
