@@ -33,7 +33,8 @@ import json, sys, threading, time
 import numpy as np
 import torch
 torch.set_num_threads(1)
-from difftrain.data.pairs import EncodedPairs, PairsLoader
+from difftrain.data.pairs import EncodedPairs
+from difftrain.data.pairs_loader import PairsLoader
 from difftrain.models.autoencoder import build_autoencoder
 what, path = sys.argv[1], sys.argv[2]
 settings = {"autoencoder": {"kind": "pixel-unshuffle", "factor": 8}, "latent_dtype": "bf16"}
