@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="difftrain: model.safetensors + config.toml; diffusers: transformer/ in diffusers' layout")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the written tensors")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--quant", choices=("fp8", "mxfp8", "nvfp4"), default=None,
+                   help="write the linears sample --quant quantizes in that format, with their scales (difftrain "
+                        "layout; for serving: model.init_from refuses it)")
 
     p = sub.add_parser("report", help="an HTML page and a PNG of a run's loss, throughput, MFU, data wait, "
                                       "checkpoint stalls, restarts and skipped steps, with its latest samples")
@@ -161,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
     p.add_argument("--out", default=None, help="output directory (default: RUN/samples/cli)")
     p.add_argument("--raw-weights", action="store_true", help="use the raw weights instead of the EMA")
+    _quant_arg(p)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on the shapes world",
                        description="Generate for N prompts per task and read them back with the shapes evaluator.")
@@ -172,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None,
                    help="draw another prompt set and other noise (default: eval.seed and sample.seed)")
     p.add_argument("--grid", default=None, help="also write a PNG grid of the generated samples here")
+    _quant_arg(p)
 
     p = sub.add_parser("bench", help="measure kernels for a config on this machine",
                        description="Measure kernels for a config on this machine.")
@@ -432,7 +437,7 @@ def cmd_export(args) -> int:
     from difftrain.export import export_checkpoint
 
     print(json.dumps(export_checkpoint(args.checkpoint, args.out, weights=args.weights, layout=args.layout,
-                                       dtype=args.dtype, overwrite=args.overwrite)))
+                                       dtype=args.dtype, overwrite=args.overwrite, quant=args.quant)))
     return 0
 
 
@@ -443,6 +448,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _quant_arg(p) -> None:
+    p.add_argument("--quant", choices=("fp8", "mxfp8", "nvfp4"), default=None,
+                   help="quantize the DiT's block linears for inference through torchao (bf16 around them); "
+                        "emulated in bf16 where the hardware lacks the format, and labelled so (docs/kernels.md)")
+
+
 def cmd_sample(args) -> int:
     _check_positive("--num-images", args.num_images)
     _check_positive("--steps", args.steps)
@@ -451,7 +462,7 @@ def cmd_sample(args) -> int:
     from difftrain.images import caption_grid, read_image, write_png
     from difftrain.inference import guidance_scale, load_pipeline, request_batch
 
-    pipe, cfg, info = load_pipeline(args.checkpoint, use_ema=not args.raw_weights)
+    pipe, cfg, info = load_pipeline(args.checkpoint, use_ema=not args.raw_weights, quant=args.quant)
     edit = read_image(args.edit, cfg.data.image_size) if args.edit else None
     batch = request_batch(pipe, cfg, [args.prompt] * args.num_images, edit, args.frames)
     seed = cfg.sample.seed if args.seed is None else args.seed
@@ -480,7 +491,7 @@ def cmd_sample(args) -> int:
     rows = [(([edit] if edit is not None else []) + list(imgs[b, : (imgs.shape[1] if args.frames else 1)]),
              args.prompt) for b in range(imgs.shape[0])]
     grid = caption_grid(rows, out / f"grid_{seed}.png")
-    print(json.dumps({"images": written, "grid": str(grid)}))
+    print(json.dumps({"images": written, "grid": str(grid), **({"quant": info["quant"]} if args.quant else {})}))
     return 0
 
 
@@ -491,7 +502,7 @@ def cmd_eval(args) -> int:
     from difftrain.images import caption_grid
     from difftrain.inference import guidance_scale, load_pipeline
 
-    pipe, cfg, _ = load_pipeline(args.checkpoint)
+    pipe, cfg, info = load_pipeline(args.checkpoint, quant=args.quant)
     world_seed, noise_seed = (cfg.eval.seed, cfg.sample.seed) if args.seed is None else (args.seed, args.seed)
     from difftrain.parallel.dist import rank_world
     buckets = [name for name, _, _ in eval_buckets(cfg)]
@@ -506,9 +517,13 @@ def cmd_eval(args) -> int:
         caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
     if args.json:
         print(json.dumps({**{k: metrics[k] for k in EVAL_KEYS}, "stage": metrics["stage"],
+                          **({"quant": info["quant"]} if args.quant else {}),
                           "buckets": metrics["buckets"],
                           "by_bucket": {b: {k: m[k] for k in EVAL_KEYS} for b, m in metrics["by_bucket"].items()}}))
     else:
+        if args.quant:
+            q = info["quant"]
+            print(f"{'quant':18s} {q['format']} ({q['mode']}, {q['layers']} layers)")
         for k, v in metrics.items():
             if k != "by_bucket":
                 print(f"{k:18s} {v}")

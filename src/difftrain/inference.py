@@ -32,10 +32,14 @@ def guidance_scale(cfg: Config, requested: float | None) -> float:
     return scale
 
 
-def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, use_ema: bool = True
-                  ) -> tuple[Pipeline, Config, dict]:
+def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, use_ema: bool = True,
+                  quant: str | None = None) -> tuple[Pipeline, Config, dict]:
     """A ready pipeline from a checkpoint directory (or a run directory, or ``.../checkpoints/latest``),
-    with the EMA weights when the run kept them."""
+    with the EMA weights when the run kept them. ``quant`` ("fp8" | "mxfp8" | "nvfp4"): the DiT's block linears
+    quantized for inference (``models.quant``; the model then runs in bf16), described in ``info["quant"]``."""
+    if quant is not None:
+        from difftrain.models.quant import check_format
+        check_format(quant)
     info = Checkpointer.read_info(checkpoint)
     cfg = from_dict(info["config"], f"{info['path']}/trainer.json")
     if "padding" not in info["config"].get("text", {}):
@@ -43,6 +47,9 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
                     "longest caption); it is sampled under text.padding = %r, which it was not trained for",
                     info["path"], cfg.text.padding)
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if sharded and quant:
+        raise UserError(f"--quant {quant} samples on one device: a quantized model is not sharded over ranks "
+                        "(launch without torchrun, or without --quant)")
     env = None
     if sharded:                                  # under torchrun: the model sharded over the ranks (FSDP2)
         from difftrain.parallel.dist import init_distributed
@@ -70,26 +77,31 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     params = {k: v.detach() for k, v in model.named_parameters()}
     Checkpointer.load_tensors(info["path"], "ema" if use_ema and cfg.train.ema_decay > 0 else "model", params)
     model.eval().requires_grad_(False)
-    _install_attention(cfg, model, device, info)
+    amp = amp_dtype(cfg.train.precision, device)
+    if quant:
+        from difftrain.models.quant import quantize_dit
+        info = {**info, "quant": quantize_dit(model["dit"], quant, device)}
+        amp = torch.bfloat16                     # around the quantized layers, the model runs in bf16
+    _install_attention(cfg, model, device, info, amp)
     pipe = Pipeline(model, text, ae.to(device), FlowSpec.from_config(cfg.diffusion), device,
-                    amp_dtype(cfg.train.precision, device), sample_shift=(cfg.sample.shift, cfg.sample.shift_value))
+                    amp, sample_shift=(cfg.sample.shift, cfg.sample.shift_value))
     return pipe, cfg, info
 
 
-def _install_attention(cfg: Config, model, device: torch.device, info: dict) -> None:
+def _install_attention(cfg: Config, model, device: torch.device, info: dict, amp: torch.dtype | None) -> None:
     """The run's attention kernel for sampling: a named backend as in training (checked for inference); 'auto'
     the hybrid the run tuned (its cache), or SDPA's own choice when there is none."""
     from difftrain.parallel.tune import cache_key, dtype_name, install, load_cache
 
     if cfg.attention.backend != "auto":
-        install(cfg, model, device, amp_dtype(cfg.train.precision, device), False, 1)
+        install(cfg, model, device, amp, False, 1)
         return
     from difftrain.models.attention import set_kernel
     from difftrain.models.kernels import HybridKernel
 
     run_dir = Path(info["path"]).parent.parent
     cache = cfg.attention.cache or str(run_dir / "attention_tune.json")
-    shapes = load_cache(cache, cache_key(device, dtype_name(amp_dtype(cfg.train.precision, device)), True))
+    shapes = load_cache(cache, cache_key(device, dtype_name(amp), True))
     if shapes:
         set_kernel(model, HybridKernel({k: r["winner"] for k, r in shapes.items()}))
 

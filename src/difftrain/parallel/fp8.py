@@ -16,15 +16,13 @@ import torch
 from torch import nn
 
 from difftrain.errors import UserError
+from difftrain.models.quant import block_linear
 
 log = logging.getLogger("difftrain")
-BLOCKS = ("double_blocks.", "single_blocks.")
-SKIP = ("_mod.lin", "modulation.lin")
 
 
 def eligible(module: nn.Module, fqn: str) -> bool:
-    return (isinstance(module, nn.Linear) and fqn.startswith(BLOCKS) and not fqn.endswith(SKIP)
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return block_linear(module, fqn, 16)
 
 
 def apply_fp8(dit: nn.Module, recipe: str, device: torch.device) -> list[str]:
