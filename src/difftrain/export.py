@@ -25,7 +25,7 @@ import os
 import secrets
 import shutil
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,17 +49,28 @@ GROUP_BYTES = 1 << 30                                  # tensors read per DCP lo
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "ema", layout: str = "difftrain",
-                      dtype: str = "fp32", overwrite: bool = False, group_bytes: int = GROUP_BYTES) -> dict[str, Any]:
+                      dtype: str = "fp32", overwrite: bool = False, group_bytes: int = GROUP_BYTES,
+                      quant: str | None = None) -> dict[str, Any]:
     """Write the ``weights`` ("ema" | "raw") of ``checkpoint`` (a checkpoint directory, a run directory or
     ``RUN/checkpoints/latest``) to the folder ``out`` in ``layout`` ("difftrain" | "diffusers"), cast to
     ``dtype`` ("fp32" | "bf16"). ``out`` must not exist or be empty unless ``overwrite``.
 
+    ``quant`` ("fp8" | "mxfp8" | "nvfp4", difftrain layout only): the linears ``--quant`` quantizes for inference
+    are written in that format with their scales (``models.quant.quantized_entries``), the rest in ``dtype``; the
+    file's metadata says so, and ``model.init_from`` refuses it (training needs the full-precision weights).
+
     Returns {"out", "tensors" (written), "bytes" (of tensor data written), "step", "weights", "layout",
-    "shards" (safetensors files the tensors were read from)}."""
+    "shards" (safetensors files the tensors were read from), "quant" (when asked: the format, layers)}."""
     for name, value, choices in (("weights", weights, tuple(WEIGHTS)), ("layout", layout, LAYOUTS),
                                  ("dtype", dtype, tuple(DTYPES))):
         if value not in choices:
             raise UserError(f"export --{name} {value!r}: expected one of {', '.join(choices)}")
+    if quant is not None:
+        from difftrain.models.quant import check_format
+        check_format(quant, "export --quant")
+        if layout != "difftrain":
+            raise UserError(f"export --quant {quant} --layout {layout}: diffusers' FLUX loaders read full-precision "
+                            "tensors; a quantized export is written in the difftrain layout (--layout difftrain)")
     info = Checkpointer.read_info(checkpoint)
     ckpt = Path(info["path"])
     out = Path(out)
@@ -84,6 +95,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
 
     if layout == "difftrain":
         plan = _difftrain_plan(sources)
+        if quant:
+            plan = _quantized_plan(plan, params, quant)
     else:
         plan = _diffusers_plan(ckpt, cfg, params, sources)
     read = {f"{prefix}.{k}" for k in plan.sources}
@@ -96,6 +109,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
         if layout == "difftrain":
             weights_file = tmp / EXPORT_WEIGHTS
             file_meta = {"format": EXPORT_FORMAT, "step": str(step), "weights": weights}
+            if quant:
+                file_meta.update(quant=quant, quant_layers=str(plan.quantized))
             (tmp / "config.toml").write_text(to_toml(cfg))
         else:
             (tmp / "transformer").mkdir()
@@ -108,7 +123,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": str(out), "tensors": len(plan.outputs), "bytes": n_bytes, "step": step, "weights": weights,
-            "layout": layout, "shards": len(shards)}
+            "layout": layout, "shards": len(shards), **({"quant": {"format": quant, "layers": plan.quantized}}
+                                                        if quant else {})}
 
 
 # --- the checkpoint -------------------------------------------------------------------------------------------
@@ -200,11 +216,37 @@ class _Plan:
     outputs: list[tuple[str, tuple[int, ...], str]]
     sources: list[str]
     convert: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)   # outputs written in their own dtype
+    quantized: int = 0                                               # layers written quantized
 
 
 def _difftrain_plan(sources: dict[str, Any]) -> _Plan:
     names = sorted(sources)                     # everything the prefix holds: dit.*, and text.* if trained
     return _Plan([(k, tuple(sources[k].size), k) for k in names], names, dict)
+
+
+def _quantized_plan(plan: _Plan, params: DiTParams, fmt: str) -> _Plan:
+    """``plan`` with the weights of the DiT's quantizable linears written quantized (values, then scales)."""
+    from difftrain.models import build_dit
+    from difftrain.models.quant import eligible, quantize_weight, quantized_entries
+
+    meta = build_dit(params, device="meta")
+    chosen = {f"{EXPORT_PREFIX}{n}.weight" for n, m in meta.named_modules() if eligible(m, n)}
+    outputs, dtypes = [], {}
+    for name, shape, src in plan.outputs:
+        if name not in chosen:
+            outputs.append((name, shape, src))
+            continue
+        for suffix, (qshape, qdtype) in quantized_entries(shape, fmt).items():
+            outputs.append((name + suffix, qshape, src))
+            dtypes[name + suffix] = qdtype
+
+    def convert(group: dict[str, Tensor]) -> dict[str, Tensor]:
+        done = plan.convert(group)
+        for name in [n for n in done if n in chosen]:
+            done.update({name + suffix: t for suffix, t in quantize_weight(done.pop(name), fmt).items()})
+        return done
+    return _Plan(outputs, plan.sources, convert, dtypes, len(chosen))
 
 
 def _diffusers_plan(ckpt: Path, cfg: Config, params: DiTParams, sources: dict[str, Any]) -> _Plan:
@@ -281,7 +323,7 @@ def _stream(ckpt: Path, prefix: str, sources: dict[str, Any], plan: _Plan, dtype
 
     src_dtype = {k: sources[k].properties.dtype for k in plan.sources}
     out_dtype = {s: dtype if d.is_floating_point else d for s, d in src_dtype.items()}
-    entries = [(n, shape, out_dtype[s]) for n, shape, s in plan.outputs]
+    entries = [(n, shape, plan.dtypes.get(n, out_dtype[s])) for n, shape, s in plan.outputs]
     with _SafetensorsWriter(path, entries, file_meta) as writer:
         for group in _groups(plan.sources, sources, group_bytes):
             state = {f"{prefix}.{k}": torch.empty(tuple(sources[k].size), dtype=src_dtype[k]) for k in group}

@@ -283,6 +283,11 @@ def load_pretrained(dit: MMDiT, path: str | Path) -> dict:
                 fmt = (h.metadata() or {}).get("format")
                 if fmt is not None and fmt != EXPORT_FORMAT:
                     raise UserError(f"init_from {f}: format {fmt!r}, expected {EXPORT_FORMAT!r}")
+                quant = (h.metadata() or {}).get("quant")
+                if quant:
+                    raise UserError(f"init_from {f}: weights quantized to {quant} for inference (difftrain export "
+                                    f"--quant {quant}); training starts from full-precision weights: point "
+                                    "model.init_from at an export made without --quant (difftrain export CKPT OUT)")
             for k in h.keys():
                 sl = h.get_slice(k)
                 shape = tuple(sl.get_shape())
