@@ -1,4 +1,4 @@
-"""GPU checks of the distributed-training issue, for one H200 (or any CUDA GPU), in a few minutes.
+"""GPU checks of training, kernels and precision, for one H200 (or any CUDA GPU), in under 8 minutes.
 
 Writes one JSON object (stdout and ``--out``):
 - ``matmul_tflops``: bf16 TFLOP/s of a large GEMM on this GPU: the practical ceiling;
@@ -13,7 +13,16 @@ Writes one JSON object (stdout and ``--out``):
   EMA, per-sample generators, reductions), and ``host_syncs_in_a_step`` (one step under
   ``torch.cuda.set_sync_debug_mode("warn")``; two are listed in docs/distributed.md; "not run" on a CPU);
 - ``attention_table``, ``hybrid_speedup``: the attention autotuner on FLUX-sized shapes in bf16 (each eligible
-  backend checked against the math kernel, then timed forward and backward; docs/kernels.md).
+  backend checked against the math kernel, then timed forward and backward; docs/kernels.md);
+- ``fp8_train_speedup``, ``fp8_train_loss_delta``: the no-AC step with train.fp8 = tensorwise against bf16, from the
+  same weights on the same batch;
+- ``quant_sample_speedup_fp8`` and ``quant_rel_error_<fmt>`` (fp8, mxfp8, nvfp4, with their mode): ``sample
+  --quant``'s model against bf16 on one forward;
+- ``fp8_encoder_cosine``, ``fp8_encoder_memory_saved`` and ms per batch size: text.precision = 'fp8' on a T5 of
+  T5-XXL's widths with activation outliers (``bench/fp8_encoder.py``; "not run" without transformers).
+
+torchao (the float8/MX/NVFP4 parts) is imported from the machine's Python, else from the wheel ``gpu_suite.sh``
+installs out of ``bench/wheels/`` (docs/kernels.md: how to put it there); without it those figures say "not run".
 
 Needs only torch (the GPU machine's preinstalled one) and ``PYTHONPATH=src``; no diffusers, no downloads.
 ``--smoke`` runs the same code on the CPU with a tiny model and no compilation (a test runs it, so the script
@@ -77,18 +86,24 @@ def batch(B: int):
                 pooled_BP=torch.randn(B, PARAMS.pooled_dim, device=DEVICE, generator=g))
 
 
-def train_run(ac: str, B: int, steps: int, warmup: int, compile: bool = True) -> dict:
+def train_run(ac: str, B: int, steps: int, warmup: int, compile: bool = True, fp8: str = "none") -> dict:
     cuda = DEVICE.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)                          # every run starts from the same weights (the fp8 loss delta)
     dit = build_dit(PARAMS, device=DEVICE)
+    fp8_layers = []
+    if fp8 != "none":
+        from difftrain.parallel.fp8 import apply_fp8
+        fp8_layers = apply_fp8(dit, fp8, DEVICE)
     apply_ac(dit, ac)
     if compile:
         compile_blocks(dit)
     opt = torch.optim.AdamW(dit.parameters(), lr=1e-5, fused=cuda, foreach=not cuda)
     x = batch(B)
-    target = torch.randn(B, IMG, PARAMS.in_channels, device=DEVICE)
+    target = torch.randn(B, IMG, PARAMS.in_channels, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+    losses = []
 
     def step():
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
@@ -97,6 +112,7 @@ def train_run(ac: str, B: int, steps: int, warmup: int, compile: bool = True) ->
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
 
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -112,7 +128,8 @@ def train_run(ac: str, B: int, steps: int, warmup: int, compile: bool = True) ->
     peak, source = peak_flops(DEVICE, torch.bfloat16 if cuda else torch.float32)
     result = {"ac": ac, "batch": B, "step_s": round(step_s, 4), "tflops_per_gpu": round(flops / step_s / 1e12, 1),
               "mfu": round(flops / step_s / peak, 4), "peak": source, "warmup_with_compile_s": round(compile_s, 1),
-              "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None}
+              "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+              "losses": [round(float(v), 5) for v in losses], "fp8_layers": len(fp8_layers)}
     del dit, opt, x
     gc.collect()
     torch._dynamo.reset()
@@ -198,6 +215,92 @@ def attention_table(smoke: bool) -> dict:
             "hybrid_speedup": s["hybrid_speedup_over_best_single"], "hybrid_speedup_over_sdpa": s["hybrid_speedup_over_sdpa"]}
 
 
+def fp8_train(bf16: dict, B: int, steps: int, warmup: int, smoke: bool) -> dict:
+    """train.fp8 = tensorwise (the blocks' linears in float8, as ``difftrain train`` converts them) on the model,
+    batch and initial weights of the bf16 no-AC run: ``fp8_train_speedup`` (bf16 step time / fp8's) and
+    ``fp8_train_loss_delta`` (mean |loss_fp8 - loss_bf16| / mean loss_bf16 over the same steps)."""
+    r = train_run("none", B, steps, warmup, compile=not smoke, fp8="tensorwise")
+    a, b = bf16["losses"], r["losses"]
+    return {"fp8_train_step_s": r["step_s"], "fp8_train_speedup": round(bf16["step_s"] / r["step_s"], 3),
+            "fp8_train_loss_delta": round(sum(abs(x - y) for x, y in zip(a, b)) / sum(a), 4),
+            "fp8_train_losses": b, "fp8_train_layers": r["fp8_layers"], "fp8_train_warmup_with_compile_s": r["warmup_with_compile_s"]}
+
+
+def quant_sample(smoke: bool, reps: int) -> dict:
+    """``sample --quant``'s model (``models.quant.quantize_dit``) against bf16 on one 1024^2 forward (B = 1, 512
+    text tokens), eager (no compilation: it fits the suite's time): ``quant_sample_speedup_fp8`` (bf16 ms / fp8 ms; fp8 is native from sm89) and,
+    for every format, ``quant_rel_error_<fmt>`` (|out - out_bf16| / |out_bf16|; mxfp8 and nvfp4 are emulated
+    before sm100) and its mode."""
+    import copy
+
+    from difftrain.models.quant import FORMATS, quantize_dit
+
+    torch.manual_seed(0)
+    base = build_dit(PARAMS, device=DEVICE).eval().requires_grad_(False)
+    for p in base.parameters():                   # zero-initialised layers (the final one) would output zeros
+        if not p.any():
+            p.normal_(0, 0.02)
+    base.to(torch.bfloat16)
+    x = batch(1)
+
+    def timed(model) -> tuple[torch.Tensor, float]:
+        with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            for _ in range(2):
+                out = model(**x)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                model(**x)
+            sync()
+        return out.float(), (time.perf_counter() - t0) / reps * 1e3
+
+    ref, ms = timed(copy.deepcopy(base))
+    result: dict = {"quant_sample_ms_bf16": round(ms, 2)}
+    for fmt in FORMATS:
+        model = copy.deepcopy(base)
+        info = quantize_dit(model, fmt, DEVICE)
+        out, ms = timed(model)
+        result[f"quant_rel_error_{fmt}"] = round(float((out - ref).norm() / ref.norm()), 5)
+        result[f"quant_mode_{fmt}"] = info["mode"]
+        result[f"quant_sample_ms_{fmt}"] = round(ms, 2)
+        del model
+    result["quant_sample_speedup_fp8"] = round(result["quant_sample_ms_bf16"] / result["quant_sample_ms_fp8"], 3)
+    return result
+
+
+def fp8_encoder(smoke: bool) -> dict:
+    """``bench/fp8_encoder.py`` on this device: a T5 v1.1 of T5-XXL's widths (2 layers; 1 tiny layer with
+    --smoke) with activation outliers, bf16 against text.precision = 'fp8' on 256 captions: cosine, memory saved,
+    ms per batch of 1, 8 and 32."""
+    import tempfile
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import fp8_encoder as enc
+
+    dims = (64, 1, 4, 128) if smoke else (4096, 2, 64, 10240)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = enc.build_t5(*dims, tmp)
+        r = enc.measure(path, DEVICE, (1, 8, 32), 2 if smoke else 5, n=32 if smoke else 256)
+    return {"fp8_encoder_cosine": r["fp8_encoder_cosine"], "fp8_encoder_cosine_min": r["fp8_encoder_cosine_min"],
+            "fp8_encoder_cosine_wo_quantized": r["fp8_encoder_cosine_wo_quantized"],
+            "fp8_encoder_memory_saved": r["fp8_encoder_memory_saved"], "fp8_encoder_ms_per_batch": r["ms_per_batch"]}
+
+
+def _guarded(out: dict, key: str, fn, *args) -> None:
+    """``out`` updated with ``fn(*args)``; a missing library or a refusal (float8 before sm89) is "not run", any
+    other failure an error entry."""
+    from difftrain.errors import UserError
+
+    try:
+        out.update(fn(*args))
+    except ImportError as e:
+        out[key] = f"not run ({e.name or e} not installed)"
+    except UserError as e:
+        out[key] = f"not run ({e})"
+    except Exception as e:
+        out[f"error_{key}"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_suite.json")
@@ -216,10 +319,12 @@ def main() -> None:
     out: dict = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "torch": torch.__version__,
                  "params": num_params(build_dit(PARAMS, device="meta")), "img_tokens": IMG, "txt_tokens": TXT}
     out["matmul_tflops"] = round(matmul_tflops(256 if args.smoke else 8192, 2 if args.smoke else 20), 3)
+    bf16_run = None
     for name, ac in (("", "none"), ("_full_ac", "full")):
         try:
             r = train_run(ac, args.batch, args.steps, args.warmup, compile=not args.smoke)
-            out.update({f"{k}{name}": v for k, v in r.items() if k not in ("ac", "batch", "peak")})
+            bf16_run = r if ac == "none" else bf16_run
+            out.update({f"{k}{name}": v for k, v in r.items() if k not in ("ac", "batch", "peak", "losses", "fp8_layers")})
             out["peak"] = r["peak"]
             if ac == "none":
                 try:
@@ -239,8 +344,16 @@ def main() -> None:
         out.update(attention_table(args.smoke))
     except Exception as e:
         out["error_attention"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    for key, fn, fargs in (("fp8_train", fp8_train, (bf16_run, args.batch, args.steps, args.warmup, args.smoke)),
+                           ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
+                           ("fp8_encoder", fp8_encoder, (args.smoke,))):
+        if key == "fp8_train" and bf16_run is None:
+            out["error_fp8_train"] = "no bf16 run to compare with"
+            continue
+        _guarded(out, key, fn, *fargs)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out), file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# The distributed-training issue's GPU checks on one GPU, in under 7 minutes, with the machine's own torch:
+# The GPU checks (training, kernels, precision) on one GPU, in under 8 minutes, with the machine's own torch:
 #   bash bench/gpu_suite.sh [OUT_DIR]
-# writes OUT_DIR/gpu_suite.json (default: $OUT where set, else ./bench-out). No install step, no network.
+# writes OUT_DIR/gpu_suite.json (default: $OUT where set, else ./bench-out). No network: wheels put in bench/wheels/
+# beforehand (pip download torchao==0.18.0 --no-deps -d bench/wheels) are installed from there when the machine's
+# Python lacks them; without torchao the precision figures say "not run".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench-out}}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+if ls bench/wheels/*.whl >/dev/null 2>&1 && ! python3 -c "import torchao" >/dev/null 2>&1; then
+  pylib="$(mktemp -d)"
+  python3 -m pip install -q --no-deps --no-index --target "$pylib" bench/wheels/*.whl \
+    && export PYTHONPATH="src:$pylib"
+fi
 export TORCHINDUCTOR_CACHE_DIR="$out/inductor-cache"
-timeout 420 python3 bench/gpu_suite.py --out "$out/gpu_suite.json" 2>&1 | tee "$out/gpu_suite.log"
+timeout 480 python3 bench/gpu_suite.py --out "$out/gpu_suite.json" 2>&1 | tee "$out/gpu_suite.log"
 status=${PIPESTATUS[0]}
 [ -s "$out/gpu_suite.json" ] && cat "$out/gpu_suite.json"
 exit "$status"

@@ -23,6 +23,15 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result)
     assert 0 < result["mfu"] < 1
     assert result["attention_table"] and result["hybrid_speedup"] >= 1.0
+    # Precision: float8 training from the same weights on the same batch, sample --quant's model, the FP8 encoder.
+    assert result["fp8_train_speedup"] > 0 and 0 <= result["fp8_train_loss_delta"] < 0.1
+    assert len(result["fp8_train_losses"]) == 2 and result["fp8_train_layers"] == 10   # every block linear
+    assert result["quant_sample_speedup_fp8"] > 0
+    for fmt in ("fp8", "mxfp8", "nvfp4"):
+        assert result[f"quant_mode_{fmt}"] == "emulated" and 0 < result[f"quant_rel_error_{fmt}"] < 0.2
+    assert result["quant_rel_error_fp8"] < result["quant_rel_error_nvfp4"]
+    assert 0.9 < result["fp8_encoder_cosine"] <= 1 and 0 < result["fp8_encoder_memory_saved"] < 1
+    assert set(result["fp8_encoder_ms_per_batch"]) == {"1", "8", "32"}
 
 
 def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):
