@@ -30,6 +30,8 @@ def test_fp8_converts_the_block_linears_and_trains_like_full_precision(recipe, t
     kinds = {n: type(m).__name__ for n, m in tr.dit.named_modules() if isinstance(m, torch.nn.Linear)}
     converted = {n for n, k in kinds.items() if k == "Float8Linear"}
     assert converted == set(tr.fp8_layers) and converted
+    # On a CPU, torchao's emulation (float8 casts, float32 matmuls), not torch._scaled_mm's slow CPU kernel.
+    assert all(dict(tr.dit.named_modules())[n].config.emulate for n in converted)
     assert all(n.startswith(("double_blocks.", "single_blocks.")) for n in converted)
     assert not any(n.endswith(("_mod.lin", "modulation.lin")) or n.startswith(("img_in", "txt_in", "final_layer"))
                    for n in converted)

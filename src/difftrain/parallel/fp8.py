@@ -5,7 +5,8 @@ Converted: every ``nn.Linear`` inside the double and single blocks whose input a
 compute dtype, as published float8 recipes keep them. A converted layer keeps its high-precision weight (the
 parameter, its gradient and optimizer state, and the checkpoint are unchanged); its matmuls cast inputs, weights
 and gradients to float8 with tensorwise or rowwise scales. Converted before FSDP2 wraps the blocks (torchao's
-order). Float8 matmuls need CUDA sm89 or later; on a CPU they are emulated (for tests: slower, same numerics).
+order). Float8 matmuls need CUDA sm89 or later; on a CPU they are emulated (torchao's ``emulate``: the operands cast
+to float8 with the recipe's scales, multiplied in float32; the same numbers, not faster).
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ def apply_fp8(dit: nn.Module, recipe: str, device: torch.device) -> list[str]:
     names = [n for n, m in dit.named_modules() if eligible(m, n)]
     if not names:
         raise UserError(f"train.fp8 = {recipe!r}: no linear layer of the blocks has widths that are multiples of 16")
-    convert_to_float8_training(dit, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=eligible)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if device.type != "cuda":
+        # torch._scaled_mm has no fast CPU kernel (~600x a float32 matmul); torchao's emulation casts the operands
+        # to float8 with the same scales and multiplies them in float32: the same numbers to ~1e-6, at matmul speed.
+        import dataclasses
+        config = dataclasses.replace(config, emulate=True)
+    convert_to_float8_training(dit, config=config, module_filter_fn=eligible)
     log.info("train.fp8 = %s: %d linear layers in float8%s", recipe, len(names),
              " (emulated on the CPU)" if device.type != "cuda" else "")
     return names
