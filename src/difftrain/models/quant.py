@@ -134,8 +134,8 @@ def quantize_dit(dit: nn.Module, fmt: str, device: torch.device) -> dict:
         fq = fake_quant(fmt)
         for n in names:
             modules[n].register_forward_pre_hook(lambda _m, args: (fq(args[0]),) + tuple(args[1:]))
-    if fmt == "mxfp8":                           # torchao's MX linear takes 2-D inputs: (..., C) -> (N, C) and back
-        for n in names:
+    if fmt == "mxfp8" or (native and fmt == "nvfp4"):
+        for n in names:                          # torchao's MX/NVFP4 linears take 2-D inputs: (..., C) -> (N, C)
             modules[n].register_forward_pre_hook(_flatten)
             modules[n].register_forward_hook(_unflatten)
     bad = [n for n in names if _dequantized(modules[n].weight).isnan().any()]
