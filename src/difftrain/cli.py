@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from difftrain import cli_align, cli_infer
 from difftrain.errors import UserError
 
 def resolve_config(name: str) -> Path:
@@ -71,112 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "a frozen copy of it, the data is dpo.pairs (see docs/dpo.md).")
     _add_run_args(p)
 
-    p = sub.add_parser("candidates", help="K candidates per prompt from a checkpoint, with a manifest (resumable)",
-                       description="K candidates per prompt (text-to-image, edits, keyframes) for raters and DPO; "
-                                   "rerun the same command to finish a killed run (see docs/dpo.md).")
-    p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
-    p.add_argument("prompts", help="a .txt file (one prompt a line) or .jsonl (prompt, task, source, frames, id)")
-    p.add_argument("--k", type=int, default=4, help="candidates per prompt (default 4)")
-    p.add_argument("--out", required=True, help="the candidates folder (manifest.json, candidates.jsonl, images/)")
-    p.add_argument("--seed", type=int, default=0, help="noise seeds are drawn from (seed, prompt id, k)")
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: sample.steps)")
-    p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
-    p.add_argument("--batch", type=int, default=16, help="images generated together (default 16)")
-    p.add_argument("--raw-weights", action="store_true", help="the raw weights instead of the EMA")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    p = sub.add_parser("pairs", help="rankings of candidates (or a Pick-a-Pic file) -> preference pairs (Parquet)",
-                       description="Preference pairs for 'difftrain dpo': majority over raters, ties dropped, "
-                                   "split by prompt (see docs/dpo.md).")
-    p.add_argument("rankings", help="rankings JSONL (prompt_id, rater, order), or a Pick-a-Pic Parquet file with "
-                                    "--pickapic")
-    p.add_argument("--candidates", default=None, help="the candidates folder the rankings rank")
-    p.add_argument("--out", required=True, help="the pairs file to write (.parquet)")
-    p.add_argument("--mode", default="all", choices=("all", "best-worst"),
-                   help="every ranked pair of a prompt's candidates, or its best against its worst")
-    p.add_argument("--validation", type=float, default=0.1, help="share of prompts held out (default 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
-    p.add_argument("--pickapic", action="store_true", help="the input is in the Pick-a-Pic layout")
-    p.add_argument("--image-size", type=int, default=0,
-                   help="with --pickapic: centre-crop and resize images to this size (0 = as they are)")
-
-    p = sub.add_parser("align", help="preference rounds: candidates -> the rating app -> pairs -> DPO -> eval, "
-                                     "each round resumable at any stage",
-                       description="Preference rounds (see docs/rating.md): candidates from the round's checkpoint, "
-                                   "a batch in the rating app, its answers as pairs, DPO, evaluation; rerun to resume.")
-    p.add_argument("config", help="the DPO config (preset name or path); dpo.init is the first round's checkpoint")
-    p.add_argument("--prompts", required=True, help="the prompts file (as 'difftrain candidates' reads)")
-    p.add_argument("--db", required=True, help="the rating app's database (SQLite path or postgresql://...)")
-    p.add_argument("--out", required=True, help="the rounds' folder (round_001/, ...)")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--k", type=int, default=4, help="candidates a prompt")
-    p.add_argument("--raters-per-item", type=int, default=3, help="R: distinct raters an item")
-    p.add_argument("--rater", action="append", default=[], metavar="auto:NAME[:POLICY]",
-                   help="a scripted rater answering through the app's HTTP API (policy light, noisy or random)")
-    p.add_argument("--app", default=None, help="the app's URL (default: one started here for the rating stage)")
-    p.add_argument("--gold", default=None, help="gold answers (JSONL of prompt_id and order)")
-    p.add_argument("--gold-share", type=float, default=0.0, help="share of prompts made gold by --gold-measure")
-    p.add_argument("--gold-measure", default="light", help="the measure that orders gold candidates")
-    p.add_argument("--gold-rate", type=float, default=0.0, help="share of a rater's items that are gold")
-    p.add_argument("--eval-n", type=int, default=64, help="evaluation prompts a task before and after (0: none)")
-    p.add_argument("--wait", type=float, default=7 * 24 * 3600, help="seconds to wait for the ratings")
-    p.add_argument("--until", default=None, choices=("candidates", "batch", "rated", "pairs", "dpo"),
-                   help="stop after this stage of the current round (rerun to go on)")
-    p.add_argument("--seed", type=int, default=0)
-    _add_set(p)
-
-    p = sub.add_parser("rate", add_help=False,
-                       help="the rating app: serve, user, import, figures, upgrade (as difftrain-rate) and export "
-                            "(the app's answers -> a pairs file)",
-                       description="The rating app (the difftrain-rate package). 'difftrain rate export --db URL --out "
-                                   "PAIRS.parquet [--batch NAME] [--include-flagged] [--mode all|best-worst] "
-                                   "[--validation F] [--seed S]' writes the pairs file with the rules of 'difftrain "
-                                   "pairs'; every other command is difftrain-rate's ('difftrain rate --help').")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p = sub.add_parser("export", help="consolidated safetensors weights (EMA or raw) and config from a checkpoint",
-                       description="Write a checkpoint's weights as one safetensors file with its config, from "
-                                   "any number of shards; or a diffusers FluxTransformer2DModel folder.")
-    p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
-    p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="EMA (default) or raw weights")
-    p.add_argument("--layout", choices=("difftrain", "diffusers"), default="difftrain",
-                   help="difftrain: model.safetensors + config.toml; diffusers: transformer/ in diffusers' layout")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the written tensors")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    p.add_argument("--quant", choices=("fp8", "mxfp8", "nvfp4"), default=None,
-                   help="write the linears sample --quant quantizes in that format, with their scales (difftrain "
-                        "layout; for serving: model.init_from refuses it)")
-
-    p = sub.add_parser("report", help="an HTML page and a PNG of a run's loss, throughput, MFU, data wait, "
-                                      "checkpoint stalls, restarts and skipped steps, with its latest samples")
-    p.add_argument("run_dir", help="run directory")
-    p.add_argument("--out", default=None, help="output directory (default RUN/report)")
-
-    p = sub.add_parser("sample", help="generate images from a checkpoint",
-                       description="Generate PNGs from a checkpoint for one prompt.")
-    p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
-    p.add_argument("--prompt", required=True, help="the caption (or the edit instruction with --edit)")
-    p.add_argument("--edit", metavar="IMAGE", default=None, help="edit this image (reference at RoPE index 1)")
-    p.add_argument("--frames", type=int, default=None, metavar="K", help="generate K keyframes (K >= 1)")
-    p.add_argument("--num-images", type=int, default=4, help="samples to draw (default 4)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's sample.seed)")
-    p.add_argument("--steps", type=int, default=None, help="Euler steps (default: sample.steps)")
-    p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
-    p.add_argument("--out", default=None, help="output directory (default: RUN/samples/cli)")
-    p.add_argument("--raw-weights", action="store_true", help="use the raw weights instead of the EMA")
-    _quant_arg(p)
-
-    p = sub.add_parser("eval", help="evaluate a checkpoint on the shapes world",
-                       description="Generate for N prompts per task and read them back with the shapes evaluator.")
-    p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--n", type=int, default=None, help="prompts per task (default: eval.n)")
-    p.add_argument("--steps", type=int, default=None, help="Euler steps (default: sample.steps)")
-    p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="draw another prompt set and other noise (default: eval.seed and sample.seed)")
-    p.add_argument("--grid", default=None, help="also write a PNG grid of the generated samples here")
-    _quant_arg(p)
+    cli_align.add_parsers(sub, _add_set)
+    cli_infer.add_parsers(sub)
 
     p = sub.add_parser("bench", help="measure kernels for a config on this machine",
                        description="Measure kernels for a config on this machine.")
@@ -324,48 +221,6 @@ def cmd_train(args) -> int:
     return cfg.health.preempt_exit_code if summary.get("preempted") else 0
 
 
-def cmd_candidates(args) -> int:
-    from difftrain.align.candidates import generate
-    from difftrain.parallel.dist import rank_world, shutdown
-
-    clean = False
-    try:
-        summary = generate(args.checkpoint, args.prompts, args.k, args.out, seed=args.seed, steps=args.steps,
-                           cfg_scale=args.cfg_scale, batch=args.batch, raw_weights=args.raw_weights,
-                           progress=not args.no_progress)
-        clean = True
-    finally:
-        shutdown(clean)
-    if rank_world()[0] == 0:
-        print(json.dumps(summary))
-    return 0
-
-
-def cmd_pairs(args) -> int:
-    from difftrain.align.pairs import make_pairs, pickapic_pairs
-
-    if args.pickapic:
-        summary = pickapic_pairs(args.rankings, args.out, args.validation, args.seed, args.image_size)
-    else:
-        if not args.candidates:
-            raise UserError("--candidates DIR is needed: the candidates folder the rankings rank")
-        summary = make_pairs(args.rankings, args.candidates, args.out, args.mode, args.validation, args.seed)
-    print(json.dumps(summary))
-    return 0
-
-
-def cmd_align(args) -> int:
-    from difftrain.align.loop import run_rounds
-
-    for name in ("rounds", "k", "raters_per_item"):
-        _check_positive("--" + name.replace("_", "-"), getattr(args, name))
-    records = run_rounds(args.config, args.prompts, args.db, args.out, args.rounds, args.k, args.raters_per_item,
-                         args.rater, args.app, args.gold, args.gold_measure, args.gold_share, args.gold_rate,
-                         args.eval_n, args.wait, args.overrides, args.seed, args.until)
-    print(json.dumps({"rounds": len(records), "last": records[-1] if records else None}))
-    return 0
-
-
 def cmd_bench(args) -> int:
     from difftrain.config import load_config, preset_path
     from difftrain.diffusion.pipeline import amp_dtype, pick_device
@@ -385,152 +240,6 @@ def cmd_bench(args) -> int:
     print(json.dumps({"device": str(device), "dtype": dtype, "training": not args.inference,
                       "backends": {n: b.doc for n, b in BACKENDS.items()}, "shapes": results,
                       **summary(results)}, indent=1))
-    return 0
-
-
-def cmd_rate(args) -> int:
-    try:
-        from difftrain_rate import cli as rate_cli
-    except ImportError:
-        raise UserError("the rating app is a package of its own: pip install ./rate (no torch needed)") from None
-    rest = list(args.rest)
-    if not rest or rest[0] != "export":
-        rate_cli.main(rest or ["--help"])
-        return 0
-    import tempfile
-
-    from difftrain.align.pairs import MODES, make_pairs
-    from difftrain_rate.errors import RateError
-    from difftrain_rate.export import write_rankings
-
-    ap = argparse.ArgumentParser(prog="difftrain rate export",
-                                 description="the app's answers -> a pairs file (the rules of 'difftrain pairs')")
-    ap.add_argument("--db", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batch")
-    ap.add_argument("--include-flagged", action="store_true")
-    ap.add_argument("--mode", default="all", choices=MODES)
-    ap.add_argument("--validation", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(rest[1:])
-    try:
-        db = rate_cli._db(a.db)
-        with tempfile.TemporaryDirectory() as tmp:
-            got = write_rankings(db, f"{tmp}/rankings.jsonl", a.batch, a.include_flagged)
-            if not got["folders"]:
-                raise UserError(f"--db {a.db}: no batch of one candidates folder to export (comparisons are not "
-                                "preference pairs)")
-            if len(got["folders"]) != 1:
-                raise UserError(f"--db {a.db}: the answers are of {len(got['folders'])} candidates folders "
-                                f"({got['folders']}); a pairs file is of one: choose a batch with --batch")
-            if not got["rankings"]:
-                raise UserError(f"--db {a.db}: no answers to export" + (f" in batch {a.batch!r}" if a.batch else ""))
-            summary = make_pairs(f"{tmp}/rankings.jsonl", got["folders"][0], a.out, a.mode, a.validation, a.seed)
-    except RateError as e:
-        raise UserError(str(e)) from None
-    summary["rankings"] = got["rankings"]
-    print(json.dumps(summary))
-    return 0
-
-
-def cmd_export(args) -> int:
-    from difftrain.export import export_checkpoint
-
-    print(json.dumps(export_checkpoint(args.checkpoint, args.out, weights=args.weights, layout=args.layout,
-                                       dtype=args.dtype, overwrite=args.overwrite, quant=args.quant)))
-    return 0
-
-
-def cmd_report(args) -> int:
-    from difftrain.report import write_report
-
-    print(json.dumps(write_report(args.run_dir, args.out)))
-    return 0
-
-
-def _quant_arg(p) -> None:
-    p.add_argument("--quant", choices=("fp8", "mxfp8", "nvfp4"), default=None,
-                   help="quantize the DiT's block linears for inference through torchao (bf16 around them); "
-                        "emulated in bf16 where the hardware lacks the format, and labelled so (docs/kernels.md)")
-
-
-def cmd_sample(args) -> int:
-    _check_positive("--num-images", args.num_images)
-    _check_positive("--steps", args.steps)
-    if args.frames is not None and args.frames < 1:
-        raise UserError(f"--frames {args.frames}: expected a number of keyframes >= 1")
-    from difftrain.images import caption_grid, read_image, write_png
-    from difftrain.inference import guidance_scale, load_pipeline, request_batch
-
-    pipe, cfg, info = load_pipeline(args.checkpoint, use_ema=not args.raw_weights, quant=args.quant)
-    edit = read_image(args.edit, cfg.data.image_size) if args.edit else None
-    batch = request_batch(pipe, cfg, [args.prompt] * args.num_images, edit, args.frames)
-    seed = cfg.sample.seed if args.seed is None else args.seed
-    from difftrain.parallel.dist import gather_objects, rank_world
-
-    # Under torchrun each rank generates its slice of the images (the model sharded; every forward collective, so
-    # a rank with no image generates a stand-in), with the noise each image gets in one process; rank 0 writes.
-    rank, ranks = rank_world()
-    B = len(batch)
-    lo, hi = rank * B // ranks, (rank + 1) * B // ranks
-    rows = slice(lo, hi) if hi > lo else slice(0, 1)
-    lat = pipe.sample(batch, args.steps or cfg.sample.steps, guidance_scale(cfg, args.cfg_scale), seed=seed,
-                      rows=rows if ranks > 1 else None)
-    imgs = pipe.to_images(lat)[: hi - lo]
-    if ranks > 1:
-        import numpy as np
-        imgs = np.concatenate(gather_objects(imgs))
-        if rank != 0:
-            return 0
-    out = Path(args.out) if args.out else Path(info["path"]).parent.parent / "samples" / "cli"
-    written = []
-    for b in range(imgs.shape[0]):
-        for f in range(imgs.shape[1] if args.frames else 1):
-            name = f"sample_{seed}_{b}" + (f"_frame{f}" if args.frames else "") + ".png"
-            written.append(str(write_png(imgs[b, f], out / name)))
-    rows = [(([edit] if edit is not None else []) + list(imgs[b, : (imgs.shape[1] if args.frames else 1)]),
-             args.prompt) for b in range(imgs.shape[0])]
-    grid = caption_grid(rows, out / f"grid_{seed}.png")
-    print(json.dumps({"images": written, "grid": str(grid), **({"quant": info["quant"]} if args.quant else {})}))
-    return 0
-
-
-def cmd_eval(args) -> int:
-    _check_positive("--n", args.n)
-    _check_positive("--steps", args.steps)
-    from difftrain.evaluate import EVAL_KEYS, eval_buckets, evaluate_buckets
-    from difftrain.images import caption_grid
-    from difftrain.inference import guidance_scale, load_pipeline
-
-    pipe, cfg, info = load_pipeline(args.checkpoint, quant=args.quant)
-    world_seed, noise_seed = (cfg.eval.seed, cfg.sample.seed) if args.seed is None else (args.seed, args.seed)
-    from difftrain.parallel.dist import rank_world
-    buckets = [name for name, _, _ in eval_buckets(cfg)]
-    if rank_world()[0] == 0:
-        print(f"evaluating at {len(buckets)} bucket(s) of the last stage: {', '.join(buckets)}"
-              + (" (accuracies: their mean; per bucket under by_bucket)" if len(buckets) > 1 else ""), file=sys.stderr)
-    metrics, gens = evaluate_buckets(pipe, cfg, world_seed, args.n or cfg.eval.n, args.steps or cfg.sample.steps,
-                                     guidance_scale(cfg, args.cfg_scale), noise_seed)
-    if rank_world()[0] != 0:                      # under torchrun every rank has the metrics; rank 0 reports
-        return 0
-    if args.grid:
-        caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
-    if args.json:
-        print(json.dumps({**{k: metrics[k] for k in EVAL_KEYS}, "stage": metrics["stage"],
-                          **({"quant": info["quant"]} if args.quant else {}),
-                          "buckets": metrics["buckets"],
-                          "by_bucket": {b: {k: m[k] for k in EVAL_KEYS} for b, m in metrics["by_bucket"].items()}}))
-    else:
-        if args.quant:
-            q = info["quant"]
-            print(f"{'quant':18s} {q['format']} ({q['mode']}, {q['layers']} layers)")
-        for k, v in metrics.items():
-            if k != "by_bucket":
-                print(f"{k:18s} {v}")
-        if len(buckets) > 1:
-            for b, m in metrics["by_bucket"].items():
-                print(f"{b:18s} " + " ".join(f"{k}={m[k]}" for k in ("t2i_color_acc", "t2i_position_acc",
-                                                                      "t2i_shape_acc", "edit_acc", "keyframe_acc")))
     return 0
 
 
@@ -600,10 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         warnings.showwarning = _short_warnings
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "dpo": cmd_train, "candidates": cmd_candidates,
-             "pairs": cmd_pairs, "sample": cmd_sample, "eval": cmd_eval, "demo": cmd_demo,
-             "prepare": cmd_prepare, "shapes": cmd_shapes, "export": cmd_export, "report": cmd_report,
-             "rate": cmd_rate, "align": cmd_align, "bench": cmd_bench}
+    verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "dpo": cmd_train, "demo": cmd_demo,
+             "prepare": cmd_prepare, "shapes": cmd_shapes, "bench": cmd_bench, **cli_align.VERBS, **cli_infer.VERBS}
     try:
         return verbs[args.verb](args)
     except UserError as e:
