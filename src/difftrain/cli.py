@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from difftrain import cli_align, cli_infer
-from difftrain.errors import UserError
+from difftrain.errors import UserError, check_positive
 
 def resolve_config(name: str) -> Path:
     """A config path, or the name of a shipped preset (``shapes-tiny``, ``flux-dev``, ``dit-24b``)."""
@@ -144,11 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_positive(name: str, value, minimum=1) -> None:
-    if value is not None and value < minimum:
-        raise UserError(f"{name} {value}: expected a value >= {minimum}")
-
-
 def cmd_config(args) -> int:
     from difftrain.config import describe, load_config, to_dict, to_toml
     from difftrain.models import build_dit, config_dit_params, num_params
@@ -248,7 +243,7 @@ def cmd_prepare(args) -> int:
     from difftrain.data.prepare import prepare
 
     cfg = load_config(resolve_config(args.config), args.overrides)
-    _check_positive("--commit-every", args.commit_every)
+    check_positive("--commit-every", args.commit_every)
     summary = prepare(cfg, dry_run=args.dry_run, ray_address=args.ray_address, overwrite=args.overwrite,
                       progress=not args.no_progress, commit_every=args.commit_every)
     summary.pop("write_pids", None)

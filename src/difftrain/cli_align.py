@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from difftrain.errors import UserError
+from difftrain.errors import UserError, check_positive
 
 
 def add_parsers(sub, add_set) -> None:
@@ -108,7 +108,7 @@ def cmd_align(args) -> int:
     from difftrain.align.loop import run_rounds
 
     for name in ("rounds", "k", "raters_per_item"):
-        _positive("--" + name.replace("_", "-"), getattr(args, name))
+        check_positive("--" + name.replace("_", "-"), getattr(args, name))
     records = run_rounds(args.config, args.prompts, args.db, args.out, args.rounds, args.k, args.raters_per_item,
                          args.rater, args.app, args.gold, args.gold_measure, args.gold_share, args.gold_rate,
                          args.eval_n, args.wait, args.overrides, args.seed, args.until)
@@ -159,11 +159,6 @@ def cmd_rate(args) -> int:
     summary["rankings"] = got["rankings"]
     print(json.dumps(summary))
     return 0
-
-
-def _positive(name: str, value) -> None:
-    from difftrain.cli import _check_positive
-    _check_positive(name, value)
 
 
 VERBS = {"candidates": cmd_candidates, "pairs": cmd_pairs, "align": cmd_align, "rate": cmd_rate}

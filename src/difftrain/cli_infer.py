@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from difftrain.errors import UserError
+from difftrain.errors import UserError, check_positive
 
 
 def _quant_arg(p) -> None:
@@ -78,8 +78,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    _positive("--num-images", args.num_images)
-    _positive("--steps", args.steps)
+    check_positive("--num-images", args.num_images)
+    check_positive("--steps", args.steps)
     if args.frames is not None and args.frames < 1:
         raise UserError(f"--frames {args.frames}: expected a number of keyframes >= 1")
     from difftrain.images import caption_grid, read_image, write_png
@@ -119,8 +119,8 @@ def cmd_sample(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    _positive("--n", args.n)
-    _positive("--steps", args.steps)
+    check_positive("--n", args.n)
+    check_positive("--steps", args.steps)
     from difftrain.evaluate import EVAL_KEYS, eval_buckets, evaluate_buckets
     from difftrain.images import caption_grid
     from difftrain.inference import guidance_scale, load_pipeline
@@ -155,11 +155,6 @@ def cmd_eval(args) -> int:
                 print(f"{b:18s} " + " ".join(f"{k}={m[k]}" for k in ("t2i_color_acc", "t2i_position_acc",
                                                                       "t2i_shape_acc", "edit_acc", "keyframe_acc")))
     return 0
-
-
-def _positive(name: str, value) -> None:
-    from difftrain.cli import _check_positive
-    _check_positive(name, value)
 
 
 VERBS = {"export": cmd_export, "report": cmd_report, "sample": cmd_sample, "eval": cmd_eval}

@@ -63,32 +63,31 @@ def _torchao(fmt: str) -> None:
         raise UserError(f"--quant {fmt} needs torchao (pip install torchao==0.18.0, paired with torch 2.13)")
 
 
-def fake_quant(fmt: str) -> Callable[[Tensor], Tensor]:
-    """x -> x quantized to ``fmt`` and back, along its last dimension (what a quantized matmul's input goes
-    through), computed by torchao's own tensor types."""
+def to_format(x2: Tensor, fmt: str) -> Tensor:
+    """``x2`` (rows, C) in ``fmt`` as torchao's tensor type (values and scales along C): fp8 a scale per row, mxfp8
+    an e8m0 scale per 32 (rounded as the MX config rounds it, RCEIL), nvfp4 an e4m3 scale per 16 and a tensor
+    scale. A row (or tensor) of zeros stays zeros. What activations and weights are quantized by alike."""
     _torchao(fmt)
     if fmt == "fp8":
         from torchao.quantization import Float8Tensor, PerRow
-
-        def q(x2: Tensor) -> Tensor:
-            return Float8Tensor.from_hp(x2, float8_dtype=torch.float8_e4m3fn, granularity=PerRow(),
-                                        hp_value_lb=TINY).dequantize()      # a row of zeros stays zeros
-    elif fmt == "mxfp8":
+        return Float8Tensor.from_hp(x2, float8_dtype=torch.float8_e4m3fn, granularity=PerRow(), hp_value_lb=TINY)
+    if fmt == "mxfp8":
         from torchao.prototype.mx_formats import ScaleCalculationMode
         from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        return MXTensor.to_mx(x2, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    scale = per_tensor_amax_to_scale(x2.abs().amax().float().clamp(min=TINY))
+    return NVFP4Tensor.to_nvfp4(x2, per_tensor_scale=scale)
 
-        def q(x2: Tensor) -> Tensor:             # the block scale rounded as the MX config rounds it (RCEIL)
-            return MXTensor.to_mx(x2, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL).dequantize(x2.dtype)
-    else:
-        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
-        def q(x2: Tensor) -> Tensor:
-            scale = per_tensor_amax_to_scale(x2.abs().amax().float().clamp(min=TINY))
-            return NVFP4Tensor.to_nvfp4(x2, per_tensor_scale=scale).dequantize(x2.dtype)
+def fake_quant(fmt: str) -> Callable[[Tensor], Tensor]:
+    """x -> x quantized to ``fmt`` and back, along its last dimension (what a quantized matmul's input goes
+    through)."""
+    _torchao(fmt)
 
     def apply(x: Tensor) -> Tensor:
         shape = x.shape
-        return q(x.reshape(-1, shape[-1]).contiguous()).reshape(shape)
+        return to_format(x.reshape(-1, shape[-1]).contiguous(), fmt).dequantize(x.dtype).reshape(shape)
     return apply
 
 
@@ -192,20 +191,12 @@ def quantized_entries(shape: tuple[int, ...], fmt: str) -> dict[str, tuple[tuple
 
 def quantize_weight(weight: Tensor, fmt: str) -> dict[str, Tensor]:
     """{suffix: tensor} of ``weight`` (out, in) quantized to ``fmt`` from bf16, as ``quantized_entries`` lays out."""
-    _torchao(fmt)
-    w = weight.detach().to(torch.bfloat16).contiguous()
-    if fmt == "fp8":
-        from torchao.quantization import Float8Tensor, PerRow
-        q = Float8Tensor.from_hp(w, float8_dtype=torch.float8_e4m3fn, granularity=PerRow())
-        return {"": q.qdata, "_scale": q.scale.float().reshape(w.shape[0], 1)}
-    if fmt == "mxfp8":
-        from torchao.prototype.mx_formats import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import MXTensor
-        q = MXTensor.to_mx(w, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
-        return {"": q.qdata, "_scale": q.scale.reshape(w.shape[0], -1)}
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
-    q = NVFP4Tensor.to_nvfp4(w, per_tensor_scale=per_tensor_amax_to_scale(w.abs().amax().float()))
-    return {"": q.qdata, "_scale": q.scale.reshape(w.shape[0], -1), "_global_scale": q.per_tensor_scale.float()}
+    q = to_format(weight.detach().to(torch.bfloat16).contiguous(), fmt)
+    rows = weight.shape[0]
+    out = {"": q.qdata, "_scale": q.scale.reshape(rows, -1) if fmt != "fp8" else q.scale.float().reshape(rows, 1)}
+    if fmt == "nvfp4":
+        out["_global_scale"] = q.per_tensor_scale.float()
+    return out
 
 
 def dequantize_entries(values: Tensor, scale: Tensor, fmt: str, global_scale: Tensor | None = None) -> Tensor:
