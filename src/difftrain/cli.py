@@ -306,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "dpo": cmd_train, "demo": cmd_demo,
              "prepare": cmd_prepare, "shapes": cmd_shapes, "bench": cmd_bench, **cli_align.VERBS, **cli_infer.VERBS}
+    clean = False
     try:
-        return verbs[args.verb](args)
+        code = verbs[args.verb](args)
+        clean = True
+        return code
     except UserError as e:
         if args.debug:
             raise
@@ -316,6 +319,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        _end_process_group(clean)
+
+
+def _end_process_group(clean: bool) -> None:
+    """Whatever verb ran under torchrun (sample, eval, candidates, ...): end its process group and drop the last
+    references to it (the model's DTensors, FSDP state) while the interpreter is alive: gloo worker threads
+    destroyed during interpreter finalisation abort a rank (SIGABRT, "terminate called without an active
+    exception") after a successful run. torch is not imported here for verbs that never did."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from difftrain.parallel.dist import shutdown
+        shutdown(clean)
+    gc.collect()
 
 
 if __name__ == "__main__":
