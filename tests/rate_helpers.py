@@ -21,7 +21,7 @@ def candidates_folder(d: Path, prompts: int = 4, k: int = 3, prompt: str = "a re
     source = ""
     if task == "edit":
         Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(d / "source.png")
-        source = str((d / "source.png").resolve())
+        source = "source.png"
     for p in range(prompts):
         for j in range(k):
             cid = f"p{p:03d}-{j}"

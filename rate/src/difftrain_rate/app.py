@@ -10,7 +10,6 @@ this site only, no inline script) and no framing.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -20,53 +19,73 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Redirect
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy import select
+from sqlalchemy.exc import DataError
+from starlette.exceptions import HTTPException
 
-from difftrain_rate import assign, auth
-from difftrain_rate.db import Database, Image
+from difftrain_rate import assign, auth, inputs
+from difftrain_rate.db import Database, Image, RatingBatch
+from difftrain_rate.errors import RateError
+from difftrain_rate.guard import BODY_KEY, MAX_BODY, RateApp  # noqa: F401 - MAX_BODY: the limit, for callers
 from difftrain_rate.report import admin_figures
 
 HERE = Path(__file__).parent
 COOKIE = "dr_session"
 LOGIN_COOKIE = "dr_login"
 IMAGE_ID = re.compile(r"^[A-Za-z0-9_-]{16,32}$")
-KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
-MAX_BODY = 64 * 1024
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 
 
-def create_app(db_url: str | None = None, secure_cookies: bool | None = None) -> FastAPI:
+def assignment_ttl(value) -> float:
+    """The assignment TTL in seconds, checked (``serve --assignment-ttl``, ``DIFFTRAIN_RATE_ASSIGNMENT_TTL``)."""
+    lo, hi = assign.TTL_RANGE
+    try:
+        ttl = float(value)
+    except (TypeError, ValueError):
+        raise RateError(f"--assignment-ttl {value!r}: expected seconds in [{lo}, {hi}]") from None
+    if not lo <= ttl <= hi:
+        raise RateError(f"--assignment-ttl {value!r}: expected seconds in [{lo}, {hi}]")
+    return ttl
+
+
+def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
+               assignment_ttl_s: float | None = None) -> FastAPI:
     """The app on ``db_url`` (default: ``DIFFTRAIN_RATE_DB``; how ``uvicorn --workers`` starts it).
     ``secure_cookies``: mark cookies Secure (default: ``DIFFTRAIN_RATE_SECURE`` = 1, or per request when it
-    arrived over https)."""
+    arrived over https). ``assignment_ttl_s``: seconds an assignment is held (default:
+    ``DIFFTRAIN_RATE_ASSIGNMENT_TTL``, else 30 minutes)."""
     url = db_url or os.environ.get("DIFFTRAIN_RATE_DB")
     if not url:
         raise RuntimeError("no database: pass db_url or set DIFFTRAIN_RATE_DB")
     if secure_cookies is None:
         secure_cookies = os.environ.get("DIFFTRAIN_RATE_SECURE", "") == "1"
+    ttl = assignment_ttl(assignment_ttl_s if assignment_ttl_s is not None else
+                         os.environ.get("DIFFTRAIN_RATE_ASSIGNMENT_TTL", assign.ASSIGNMENT_TTL))
     db = Database(url)
     db.check()
     templates = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
-    app = FastAPI(title="difftrain rate", docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: Starlette's redirect from "/path/" builds its target from the Host header
+    app = RateApp(title="difftrain rate", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.db = db
+    app.state.assignment_ttl = ttl
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
     def page(name: str, status: int = 200, **context) -> HTMLResponse:
         return HTMLResponse(templates.get_template(name).render(**context), status_code=status)
 
-    @app.middleware("http")
-    async def headers(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
-            return JSONResponse({"error": f"request body over {MAX_BODY} bytes"}, status_code=413)
-        response = await call_next(request)
-        response.headers["Content-Security-Policy"] = CSP
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["X-Frame-Options"] = "DENY"
-        response.headers["Referrer-Policy"] = "same-origin"
-        if "Cache-Control" not in response.headers:
-            response.headers["Cache-Control"] = "no-store"
-        return response
+    @app.exception_handler(inputs.BadInput)
+    def bad_input(request: Request, e: inputs.BadInput):
+        return JSONResponse({"error": str(e)}, status_code=e.status)
+
+    @app.exception_handler(DataError)
+    def data_error(request: Request, e: DataError):
+        # A value the database refuses (a driver's range or encoding check): the request's fault, said plainly.
+        return JSONResponse({"error": "a value in the request is out of range for the database"}, status_code=400)
+
+    @app.exception_handler(HTTPException)
+    def http_error(request: Request, e: HTTPException):
+        return JSONResponse({"error": str(e.detail)}, status_code=e.status_code, headers=e.headers)
+
+    def body(request: Request) -> bytes:
+        return request.scope.get(BODY_KEY, b"")
 
     def secure(request: Request) -> bool:
         return secure_cookies or request.url.scheme == "https"
@@ -102,15 +121,18 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         return r
 
     @app.post("/login")
-    async def login(request: Request):
-        form = await request.form()
-        sent, cookie = str(form.get("csrf", "")), request.cookies.get(LOGIN_COOKIE, "")
-        if not cookie or not auth.hmac.compare_digest(sent, cookie):
+    def login(request: Request):
+        cookie = request.cookies.get(LOGIN_COOKIE, "")
+        try:
+            form = inputs.form(body(request), request.headers.get("content-type"),
+                               {"csrf": 64, "name": 64, "password": 1024})
+        except inputs.BadInput as e:
+            return page("login.html", e.status, csrf=cookie, error=f"The form could not be read: {e}.")
+        if not cookie or not auth.hmac.compare_digest(form["csrf"].encode(), cookie.encode()):
             return page("login.html", 403, csrf=cookie, error="The form expired: reload the page and sign in again.")
-        name, password = str(form.get("name", ""))[:64], str(form.get("password", ""))[:1024]
         address = request.client.host if request.client else "?"
         try:
-            got = auth.login(db, name, password, address)
+            got = auth.login(db, form["name"], form["password"], address)
         except auth.TooManyAttempts as e:
             r = page("login.html", 429, csrf=cookie, error=f"Too many failed sign-ins: try again in {e.retry_after} s.")
             r.headers["Retry-After"] = str(e.retry_after)
@@ -125,12 +147,12 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         return r
 
     @app.post("/logout")
-    async def logout(request: Request):
+    def logout(request: Request):
         p, refused = gate(request, api=False)
         if refused:
             return refused
-        form = await request.form()
-        if not p.csrf_ok(str(form.get("csrf", ""))):
+        form = inputs.form(body(request), request.headers.get("content-type"), {"csrf": 64})
+        if not p.csrf_ok(form["csrf"]):
             return Response("CSRF token missing or wrong", status_code=403)
         auth.logout(db, request.cookies.get(COOKIE, ""))
         r = RedirectResponse("/login", status_code=303)
@@ -151,7 +173,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         if refused:
             return refused
         try:
-            served = assign.next_item(db, p.user.id)
+            served = assign.next_item(db, p.user.id, ttl=ttl)
         except assign.Conflict as e:
             return Response(f"{e}; reload in a moment", status_code=503, headers={"Retry-After": "1"})
         if served is None:
@@ -164,36 +186,19 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         if refused:
             return refused
         try:
-            served = assign.next_item(db, p.user.id)
+            served = assign.next_item(db, p.user.id, ttl=ttl)
         except assign.Conflict as e:
             return JSONResponse({"error": str(e)}, status_code=503, headers={"Retry-After": "1"})
         return JSONResponse({"item": None} if served is None else item_json(served))
 
-    async def body_json(request: Request) -> dict | None:
-        try:
-            data = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            return None
-        return data if isinstance(data, dict) else None
-
     @app.post("/api/answer")
-    async def api_answer(request: Request):
+    def api_answer(request: Request):
         p, refused = gate(request, api=True, write=True)
         if refused:
             return refused
-        data = await body_json(request)
-        if data is None:
-            return JSONResponse({"error": "expected a JSON object"}, status_code=400)
+        a = inputs.answer_body(body(request))
         try:
-            assignment = int(data.get("assignment"))
-            key, order = str(data.get("key", "")), data.get("order", [])
-            outcome, extra = str(data.get("outcome", "ranked")), data.get("extra") or {}
-            if not KEY.match(key):
-                raise ValueError("key: 1-100 characters of letters, digits, _ . : -")
-            if not isinstance(order, list) or not isinstance(extra, dict) or len(extra) > 8:
-                raise ValueError("order is a list, extra an object")
-            extra = {str(k)[:32]: str(v)[:64] for k, v in extra.items()}
-            result = assign.answer(db, p.user.id, assignment, key, order, outcome, extra)
+            result = assign.answer(db, p.user.id, a.assignment, a.key, a.order, a.outcome, a.extra, ttl=ttl)
         except (TypeError, ValueError) as e:
             return JSONResponse({"error": f"bad answer: {e}"}, status_code=400)
         except assign.Conflict as e:
@@ -201,7 +206,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         return JSONResponse(result)
 
     @app.post("/api/undo")
-    async def api_undo(request: Request):
+    def api_undo(request: Request):
         p, refused = gate(request, api=True, write=True)
         if refused:
             return refused
@@ -217,9 +222,13 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         with db.read() as s:
             img = s.get(Image, image_id)
             allowed = img is not None and (p.is_admin or _shown_to(s, img, p.user.id))
+            folders = s.scalar(select(RatingBatch.folders).where(RatingBatch.id == img.batch_id)) if allowed else []
         if not allowed:
             return Response("no such image", status_code=404)
-        path = Path(img.path)
+        path = Path(img.path).resolve()
+        # Checked again where it is served: a row imported by an older version, or a folder changed since.
+        if not any(path.is_relative_to(Path(f).resolve()) for f in folders):
+            return Response("no such image", status_code=404)
         if not path.is_file():
             return Response("the image's file is missing (was the candidates folder moved?)", status_code=410)
         return FileResponse(path, media_type="image/png",
@@ -250,6 +259,20 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None) ->
         return Response(answers_csv(db), media_type="text/csv",
                         headers={"Content-Disposition": "attachment; filename=answers.csv"})
 
+    @app.post("/admin/unlock")
+    def admin_unlock(request: Request):
+        p, refused = gate(request, api=False, admin=True)
+        if refused:
+            return refused
+        form = inputs.form(body(request), request.headers.get("content-type"), {"csrf": 64, "name": 64})
+        if not p.csrf_ok(form["csrf"]):
+            return Response("CSRF token missing or wrong", status_code=403)
+        try:
+            auth.unlock(db, form["name"])
+        except RateError as e:
+            return Response(str(e), status_code=404)
+        return RedirectResponse("/admin", status_code=303)
+
     return app
 
 
@@ -261,7 +284,25 @@ def _shown_to(s, img: Image, rater: int) -> bool:
                     .limit(1)) is not None
 
 
+def die_with_parent() -> None:
+    """In a worker that ``serve`` started (``DIFFTRAIN_RATE_PARENT``), ask Linux for SIGTERM when that parent dies,
+    however it dies (SIGKILL included): no orphaned worker keeps answering and holding the port. A parent already
+    gone by now ends the worker at once."""
+    import ctypes
+    import signal
+    import sys
+
+    parent = os.environ.get("DIFFTRAIN_RATE_PARENT", "")
+    if not parent.isdigit() or int(parent) == os.getpid() or not sys.platform.startswith("linux"):
+        return                      # not started by serve, or serve's own process (one worker runs in it)
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):
+        os._exit(0)
+
+
 def factory() -> FastAPI:
     """For ``uvicorn --factory difftrain_rate.app:factory`` (its configuration from the environment)."""
+    die_with_parent()
     return create_app()
 

@@ -1,15 +1,19 @@
 """Serving items to raters, recording answers, undo.
 
 ``next_item``: a rater's open assignment first (a reload shows the same item); else, with the batch's gold rate, a
-gold item the rater has not seen; else the open batch's item with the most assignments that still has a free
-slot (finishing items before starting new ones) and that the rater has not seen. The assignment row takes the
-lowest free slot: two servers racing for the last slot of an item cannot both take it (unique (item, slot)),
-and one rater cannot take an item twice (unique (item, rater)); the loser of a race tries the next item. An
-assignment left unanswered for ``ASSIGNMENT_TTL`` seconds is released for others (its answer is then refused).
+gold item the rater has not seen; else the open batch's item with the most counting assignments that still needs
+one (finishing items before starting new ones) and that the rater has not seen. R assignments of an item count;
+one answered with a skip, or held by a flagged rater, stops counting and its slot reopens for another rater, up
+to 2R slots an item (``SLOTS_PER_R``: an item every rater skips is given up, not served forever). The assignment
+row takes the lowest free slot: two servers racing for the last slot of an item cannot both take it (unique
+(item, slot)), and one rater cannot take an item twice (unique (item, rater)); the loser of a race tries the next
+item. An assignment left unanswered for the TTL (``serve --assignment-ttl``, ``ASSIGNMENT_TTL`` by default) is
+refused when answered (409) and released for others.
 
 ``answer``: committed before the response (and so before the next item is served); an idempotency key makes a
-retried post count once (the same key returns the first outcome). ``undo``: the rater's last answer, within
-``UNDO_SECONDS``, is deleted and its item served again.
+retried post count once: the same key for the same (rater, assignment) returns the first outcome, the same key
+for anything else is a 409 (never a silent "repeat" of another answer). ``undo``: the rater's last answer,
+within ``UNDO_SECONDS``, is deleted and its item served again.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from sqlalchemy import and_, delete, exists, func, select
+from sqlalchemy import and_, delete, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from difftrain_rate.db import Answer, Assignment, Database, Item, RatingBatch, now
+from difftrain_rate.db import Answer, Assignment, Database, Item, RatingBatch, User, now
+from difftrain_rate.report import rater_flagged
 
 ASSIGNMENT_TTL = 30 * 60
+TTL_RANGE = (1, 7 * 24 * 3600)
+SLOTS_PER_R = 2              # an item's slots in all, per R: R count, the rest reopened by skips and flagged raters
 UNDO_SECONDS = 10 * 60
-OUTCOMES = ("ranked", "tie", "both_bad", "skip")
+from difftrain_rate.inputs import OUTCOMES  # noqa: E402 - one list for the API and the database
 
 
 class Conflict(Exception):
@@ -43,14 +50,19 @@ class Served:
 _last_release = [0.0]
 
 
-def _release_stale(s) -> None:
-    """Release assignments unanswered for ASSIGNMENT_TTL (at most every few seconds per process: a scan of the open
-    assignments' index, not of every one)."""
+def slots(raters: int) -> int:
+    """Slots an item may use in all: its R, and as many again for skips and flagged raters."""
+    return SLOTS_PER_R * raters
+
+
+def _release_stale(s, ttl: float) -> None:
+    """Release assignments unanswered for the TTL (at most every few seconds per process: a scan of the open
+    assignments' index, not of every one); an answer checks the age itself."""
     t = now()
-    if t - _last_release[0] < 5.0:
+    if t - _last_release[0] < min(5.0, ttl):
         return
     _last_release[0] = t
-    s.execute(delete(Assignment).where(Assignment.answered.is_(False), Assignment.created_at < t - ASSIGNMENT_TTL))
+    s.execute(delete(Assignment).where(Assignment.answered.is_(False), Assignment.created_at < t - ttl))
 
 
 def _progress(s, rater: int) -> tuple[int, int]:
@@ -68,17 +80,20 @@ def _served(s, a: Assignment, rater: int) -> Served:
     return Served(a.id, item, [views[h] for h in a.order], s.get(RatingBatch, item.batch_id), _progress(s, rater))
 
 
-def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Served | None:
+def next_item(db: Database, rater: int, rng: random.Random | None = None, ttl: float = ASSIGNMENT_TTL
+              ) -> Served | None:
     rng = rng or random.Random()
     for _attempt in range(20):
         try:
             with db.write() as s:
-                _release_stale(s)
+                _release_stale(s, ttl)
                 a = s.scalar(select(Assignment).join(Item, Item.id == Assignment.item_id)
                              .join(RatingBatch, RatingBatch.id == Item.batch_id)
                              .where(Assignment.rater_id == rater, Assignment.answered.is_(False),
                                     RatingBatch.status == "open").order_by(Assignment.id).limit(1))
                 if a is not None:
+                    if a.created_at < now() - ttl:        # still held, so no one took it: the rater's again
+                        a.created_at = now()
                     return _served(s, a, rater)
                 seen = exists().where(and_(Assignment.item_id == Item.id, Assignment.rater_id == rater))
                 item, slot = None, None
@@ -93,10 +108,13 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Ser
                 if item is None:
                     taken = (select(func.count()).select_from(Assignment).where(Assignment.item_id == Item.id)
                              .correlate(Item).scalar_subquery())
-                    row = s.execute(select(Item, taken).join(RatingBatch, RatingBatch.id == Item.batch_id)
+                    counting = (select(func.count()).select_from(Assignment)
+                                .where(Assignment.item_id == Item.id, Assignment.counts.is_(True))
+                                .correlate(Item).scalar_subquery())
+                    row = s.execute(select(Item, counting).join(RatingBatch, RatingBatch.id == Item.batch_id)
                                     .where(RatingBatch.status == "open", Item.gold.is_(None), ~seen,
-                                           taken < RatingBatch.raters)
-                                    .order_by(taken.desc(), Item.batch_id, Item.seq).limit(1)
+                                           counting < RatingBatch.raters, taken < SLOTS_PER_R * RatingBatch.raters)
+                                    .order_by(counting.desc(), Item.batch_id, Item.seq).limit(1)
                                     # PostgreSQL: the chosen item's row stays locked to this transaction and the
                                     # others skip it (no race for its slots); SQLite's writers are serial anyway.
                                     .with_for_update(of=Item, skip_locked=True)).first()
@@ -104,7 +122,7 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Ser
                         item = row[0]
                         used = set(s.scalars(select(Assignment.slot).where(Assignment.item_id == item.id)))
                         slot = next(k for k in range(len(used) + 1) if k not in used)
-                        if slot >= s.get(RatingBatch, item.batch_id).raters:
+                        if slot >= slots(s.get(RatingBatch, item.batch_id).raters):
                             raise IntegrityError("the item's slots filled since it was chosen", None, None)
                     elif gold_rate:               # nothing else left: the gold items not seen yet
                         item, slot = s.scalar(gold), rater
@@ -112,8 +130,9 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Ser
                         return None
                 order = [v[0] for v in item.images]
                 rng.shuffle(order)                            # sides and order randomised per assignment
+                flagged = bool(s.scalar(select(User.flagged).where(User.id == rater)))
                 a = Assignment(item_id=item.id, rater_id=rater, slot=slot, order=order, answered=False,
-                               created_at=now())
+                               created_at=now(), counts=not flagged)
                 s.add(a)
                 s.flush()
                 return _served(s, a, rater)
@@ -123,45 +142,75 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None) -> Ser
 
 
 def answer(db: Database, rater: int, assignment: int, key: str, order: list, outcome: str, extra: dict,
-           seconds: float | None = None) -> dict:
+           seconds: float | None = None, ttl: float = ASSIGNMENT_TTL) -> dict:
     """Record an answer: ``order`` lists the candidates' handles best first (a sub-list: equal); for a pairwise
     item ``outcome`` may be tie, both_bad or skip with an empty order. Returns {"answer": id, "repeat": bool}."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome {outcome!r}: expected one of {OUTCOMES}")
     if not key or len(key) > 100:
         raise ValueError("an idempotency key of 1-100 characters is required")
+    expired = False
     try:
         with db.write() as s:
             prior = s.scalar(select(Answer).where(Answer.idempotency_key == key))
             if prior is not None:
-                if prior.rater_id != rater:
-                    raise Conflict("idempotency key used by another rater")
-                return {"answer": prior.id, "repeat": True}
+                return _repeat(prior, rater, assignment, key)
             a = s.get(Assignment, assignment)
             if a is None or a.rater_id != rater:
                 raise Conflict("no such assignment of yours (it may have expired and been released)")
             if a.answered:
                 raise Conflict("this item is already answered")
-            handles = set(a.order)
-            flat = [h for x in order for h in (x if isinstance(x, list) else [x])]
-            if outcome == "ranked":
-                if sorted(flat) != sorted(handles):
-                    raise ValueError("the order must name each candidate of the item once")
-            elif flat:
-                raise ValueError(f"outcome {outcome!r} takes no order")
-            served = a.created_at
-            ans = Answer(assignment_id=a.id, item_id=a.item_id, rater_id=rater, idempotency_key=key, order=order,
-                         outcome=outcome, extra=extra or {}, seconds=seconds if seconds is not None else now() - served)
-            a.answered = True
-            s.add(ans)
-            s.flush()
-            return {"answer": ans.id, "repeat": False}
+            if a.created_at < now() - ttl:
+                s.delete(a)                 # released now (committed), then refused below
+                expired = True
+            else:
+                handles = set(a.order)
+                flat = [h for x in order for h in (x if isinstance(x, list) else [x])]
+                if outcome == "ranked":
+                    if sorted(flat) != sorted(handles):
+                        raise ValueError("the order must name each candidate of the item once")
+                elif flat:
+                    raise ValueError(f"outcome {outcome!r} takes no order")
+                ans = Answer(assignment_id=a.id, item_id=a.item_id, rater_id=rater, idempotency_key=key, order=order,
+                             outcome=outcome, extra=extra or {},
+                             seconds=seconds if seconds is not None else now() - a.created_at)
+                a.answered = True
+                if outcome == "skip":
+                    a.counts = False           # the slot reopens for another rater
+                s.add(ans)
+                s.flush()
+                if s.get(Item, a.item_id).gold is not None:
+                    _update_flag(s, rater)
+                return {"answer": ans.id, "repeat": False}
     except IntegrityError:
         with db.read() as s:        # the same key posted twice at once: the first one won
             prior = s.scalar(select(Answer).where(Answer.idempotency_key == key))
-        if prior is not None and prior.rater_id == rater:
-            return {"answer": prior.id, "repeat": True}
+        if prior is not None:
+            return _repeat(prior, rater, assignment, key)
         raise Conflict("this item is already answered") from None
+    assert expired                  # every other path returned or raised inside the transaction
+    raise Conflict(f"this assignment expired ({ttl:g} s unanswered) and was released: load the next item")
+
+
+def _repeat(prior: Answer, rater: int, assignment: int, key: str) -> dict:
+    """The first outcome of a retried post; a key already used for another (rater, assignment) is a conflict."""
+    if prior.rater_id != rater or prior.assignment_id != assignment:
+        raise Conflict(f"idempotency key {key!r} was used for another answer: send a new key with each answer "
+                       "(this one was not stored)")
+    return {"answer": prior.id, "repeat": True}
+
+
+def _update_flag(s, rater: int) -> None:
+    """The rater's flag from their gold answers; when it changes, their assignments stop (or start again) counting
+    toward R, skipped ones staying out."""
+    flag = rater_flagged(s, rater)
+    user = s.get(User, rater)
+    if user is None or bool(user.flagged) == flag:
+        return
+    user.flagged = flag
+    skipped = select(Answer.assignment_id).where(Answer.rater_id == rater, Answer.outcome == "skip")
+    s.execute(update(Assignment).where(Assignment.rater_id == rater, Assignment.id.not_in(skipped))
+              .values(counts=not flag))
 
 
 def undo(db: Database, rater: int) -> str | None:
@@ -171,8 +220,12 @@ def undo(db: Database, rater: int) -> str | None:
         if last is None or last.created_at < now() - UNDO_SECONDS:
             return None
         a = s.get(Assignment, last.assignment_id)
+        gold = s.get(Item, a.item_id).gold is not None
         s.delete(last)
         s.flush()
+        a.counts = not s.get(User, rater).flagged
+        if gold:
+            _update_flag(s, rater)
         # Reopened: served next (before any other open assignment of the rater).
         s.execute(delete(Assignment).where(Assignment.rater_id == rater, Assignment.answered.is_(False),
                                            Assignment.id != a.id))

@@ -1,33 +1,49 @@
-"""Accounts, sessions, API tokens and the login limit.
+"""Accounts, sessions, API tokens and the sign-in back-off.
 
 Passwords are hashed with Argon2id (argon2-cffi's defaults). A web session is a random token in an HttpOnly,
 SameSite=Lax cookie (Secure behind TLS); the database keeps only its SHA-256, with the session's CSRF token,
 which every form post and every API write made with the cookie must echo (a hidden field or the
 ``X-CSRF-Token`` header). Scripted raters use API tokens (``Authorization: Bearer ...``; no cookie, so no
-CSRF), also kept only as hashes. Failed logins are counted per name and per client address over a window:
-past the limit the login answers 429, whatever the password, until the window passes.
+CSRF), also kept only as hashes.
+
+Failed sign-ins back off rather than lock out, so that no one can turn the limit against a user who knows the
+password. Failures are counted over ``FAIL_WINDOW`` per (name, address), per address and per name; past a
+count's limit, the next attempt waits 2^(failures - limit) seconds (at most the window) after the last failure,
+and gets 429 until then, whatever the password (checked before the password, so a guesser learns nothing):
+- (name, address): ``FAILS_PER_PAIR``; the only limit on an address the user has signed in from before;
+- address: ``FAILS_PER_ADDRESS`` over all names (a password sprayer), except for names known at that address;
+- name: ``FAILS_PER_NAME`` from all addresses (a guesser spread over many), except at the user's known addresses.
+So a guesser elsewhere, or thirty failures from one NAT, never block a user at an address they have used. An
+attempt is counted as a failure before the password is checked and forgiven once it proves right, inside one
+serialised transaction (SQLite's ``BEGIN IMMEDIATE``, PostgreSQL advisory locks on the name and the address):
+concurrent guesses cannot pass a limit. Admins unlock a name (``user unlock``, the admin page).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 import secrets
+import struct
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select, text
 
-from difftrain_rate.db import ApiToken, Database, LoginFailure, User, WebSession, now
+from difftrain_rate.db import ApiToken, Database, KnownSignIn, LoginFailure, User, WebSession, now
 from difftrain_rate.errors import RateError
 
 ROLES = ("rater", "admin")
-NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+# A new name never starts with a spreadsheet formula character (= + - @): names reach CSV exports.
+NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.@-]{0,63}$")
+SIGN_IN_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")      # what older versions admitted: those accounts sign in
 SESSION_SECONDS = 12 * 3600
 FAIL_WINDOW = 15 * 60
-FAILS_PER_NAME = 5
+FAILS_PER_PAIR = 5
 FAILS_PER_ADDRESS = 30
+FAILS_PER_NAME = 50
 MIN_PASSWORD = 8
 
 _hasher = PasswordHasher()
@@ -39,7 +55,7 @@ def digest(token: str) -> str:
 
 def add_user(db: Database, name: str, password: str, role: str = "rater") -> int:
     if not NAME.match(name or ""):
-        raise RateError(f"user name {name!r}: expected 1-64 letters, digits or . _ @ -")
+        raise RateError(f"user name {name!r}: expected 1-64 letters, digits or . _ @ -, not starting with @ or -")
     if role not in ROLES:
         raise RateError(f"--role {role!r}: expected one of {ROLES}")
     if len(password or "") < MIN_PASSWORD:
@@ -77,22 +93,55 @@ def new_token(db: Database, name: str) -> str:
 
 class TooManyAttempts(Exception):
     def __init__(self, retry_after: int):
-        super().__init__(f"too many failed logins: try again in {retry_after} s")
+        super().__init__(f"too many failed sign-ins: try again in {retry_after} s")
         self.retry_after = retry_after
+
+
+def _keys(name: str, address: str) -> dict[str, str]:
+    return {"pair": f"pair:{name}|{address}", "name": f"name:{name}", "ip": f"ip:{address}"}
+
+
+def _wait(s, key: str, limit: int, t: float) -> float:
+    """Seconds still to wait for ``key`` (0: none): past ``limit`` failures in the window, 2^(n - limit) s after
+    the last one, at most the window."""
+    n, last = s.execute(select(func.count(), func.max(LoginFailure.at))
+                        .where(LoginFailure.key == key, LoginFailure.at >= t - FAIL_WINDOW)).one()
+    if n < limit:
+        return 0.0
+    return max(0.0, last + min(2.0 ** (n - limit), FAIL_WINDOW) - t)
+
+
+def _serialise(s, keys: list[str]) -> None:
+    """PostgreSQL: transaction locks on the attempt's name and address (in one order: no deadlock), so counting
+    and recording a failure is one step; SQLite's ``BEGIN IMMEDIATE`` has already serialised every writer."""
+    if s.get_bind().dialect.name != "postgresql":
+        return
+    for k in sorted(struct.unpack(">q", hashlib.sha256(k.encode()).digest()[:8])[0] for k in keys):
+        s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": k})
 
 
 def login(db: Database, name: str, password: str, address: str) -> tuple[str, str] | None:
     """(session token, CSRF token) for a right name and password of an active user, else None; raises
-    ``TooManyAttempts`` past the limit (checked before the password, so a guesser learns nothing)."""
-    keys = [f"name:{name[:64]}", f"ip:{address}"]
+    ``TooManyAttempts`` while a back-off is in force (see the module docstring)."""
+    name = name if SIGN_IN_NAME.match(name or "") else "?"        # never a user's name: its own counts
+    address = (address or "?")[:64]
+    keys = _keys(name, address)
     t = now()
-    with db.read() as s:            # the hash is checked outside any write transaction (it takes ~50 ms)
-        for key, limit in zip(keys, (FAILS_PER_NAME, FAILS_PER_ADDRESS)):
-            n, first = s.execute(select(func.count(), func.min(LoginFailure.at))
-                                 .where(LoginFailure.key == key, LoginFailure.at >= t - FAIL_WINDOW)).one()
-            if n >= limit:
-                raise TooManyAttempts(int(first + FAIL_WINDOW - t) + 1)
+    with db.write() as s:
+        _serialise(s, [keys["name"], keys["ip"]])
+        s.execute(delete(LoginFailure).where(LoginFailure.at < t - FAIL_WINDOW))
         u = s.scalar(select(User).where(User.name == name))
+        known = u is not None and s.scalar(select(KnownSignIn.id).where(KnownSignIn.user_id == u.id,
+                                                                          KnownSignIn.address == address)) is not None
+        limits = [("pair", FAILS_PER_PAIR)] + ([] if known else [("ip", FAILS_PER_ADDRESS), ("name", FAILS_PER_NAME)])
+        wait = max(_wait(s, keys[k], limit, t) for k, limit in limits)
+        if wait > 0:
+            raise TooManyAttempts(math.ceil(wait))
+        pending = [LoginFailure(key=k, at=t) for k in keys.values()]       # forgiven below if the password is right
+        s.add_all(pending)
+        s.flush()
+        pending_ids = [f.id for f in pending]
+    # The hash is checked outside any write transaction (it takes ~50 ms).
     ok = False
     if u is not None and not u.disabled:
         try:
@@ -101,15 +150,26 @@ def login(db: Database, name: str, password: str, address: str) -> tuple[str, st
             ok = False
     else:
         _hasher.hash(password or "x")          # the same work for an unknown name: no timing oracle
+    if not ok:
+        return None
     with db.write() as s:
-        s.execute(delete(LoginFailure).where(LoginFailure.at < t - FAIL_WINDOW))
-        if not ok:
-            s.add_all([LoginFailure(key=k, at=t) for k in keys])
-            return None
-        s.execute(delete(LoginFailure).where(LoginFailure.key == keys[0]))
+        s.execute(delete(LoginFailure).where(or_(LoginFailure.id.in_(pending_ids), LoginFailure.key == keys["pair"])))
+        if s.scalar(select(KnownSignIn).where(KnownSignIn.user_id == u.id, KnownSignIn.address == address)) is None:
+            s.add(KnownSignIn(user_id=u.id, address=address, at=t))
         token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
         s.add(WebSession(id=digest(token), user_id=u.id, csrf=csrf, created_at=t, expires_at=t + SESSION_SECONDS))
         return token, csrf
+
+
+def unlock(db: Database, name: str) -> int:
+    """Forget the failed sign-ins of ``name`` (from every address); the number forgotten."""
+    with db.write() as s:
+        if s.scalar(select(User.id).where(User.name == name)) is None:
+            raise RateError(f"no user {name!r}")
+        k = _keys(name, "")
+        n = s.execute(delete(LoginFailure).where(or_(LoginFailure.key == k["name"],
+                                                     LoginFailure.key.startswith(k["pair"], autoescape=True))))
+        return n.rowcount or 0
 
 
 def logout(db: Database, token: str) -> None:

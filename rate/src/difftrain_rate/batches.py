@@ -14,6 +14,7 @@ id or model, and a gold item's ids look like any other's.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from itertools import combinations
 from pathlib import Path
@@ -30,53 +31,149 @@ def opaque() -> str:
     return secrets.token_urlsafe(16)         # 22 characters of [A-Za-z0-9_-]
 
 
+# Every key a candidates line may carry. A path field is confined to the folder; a key this list does not know is
+# refused, so a field a new task adds cannot reach the app unchecked (it is declared here as a path or not).
+PATH_FIELDS = ("image", "frames", "source")
+TEXT_FIELDS = {"id": 200, "prompt_id": 200, "prompt": 4000}
+INT_FIELDS = ("k", "seed", "noise_seed")
+TASKS = ("t2i", "edit", "keyframes")
+MAX_K = 64
+MAX_IMAGE_BYTES = 32 << 20
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+def confined(root: Path, value, where: str, field: str) -> Path:
+    """``value`` (a path relative to ``root``, or absolute) resolved with every symlink followed; refused unless it
+    is a regular file inside ``root`` (itself resolved)."""
+    if not isinstance(value, str) or not value or "\x00" in value or len(value) > 1024:
+        raise RateError(f"{where}: {field} {value!r:.80}: expected a file path inside the folder")
+    try:
+        p = (root / value).resolve(strict=True)
+    except (OSError, RuntimeError):            # missing, a symlink loop, a name too long
+        if not Path(os.path.normpath(root / value)).is_relative_to(root):
+            raise RateError(f"{where}: {field} {value!r} is outside the folder") from None
+        raise RateError(f"{where}: {field} {value} not found") from None
+    if not p.is_relative_to(root):
+        raise RateError(f"{where}: {field} {value!r} is outside the folder")
+    if not p.is_file():
+        raise RateError(f"{where}: {field} {value} is not a file")
+    return p
+
+
+def check_image(path: Path, where: str, field: str) -> None:
+    """The file decodes as a PNG of bounded size (what the app serves, as image/png)."""
+    import warnings
+
+    from PIL import Image as PILImage
+
+    if path.stat().st_size > MAX_IMAGE_BYTES:
+        raise RateError(f"{where}: {field} {path.name}: over {MAX_IMAGE_BYTES >> 20} MiB")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PILImage.DecompressionBombWarning)
+            with PILImage.open(path) as im:
+                if im.format != "PNG":
+                    raise RateError(f"{where}: {field} {path.name}: a {im.format} file, expected a PNG")
+                if im.width * im.height > MAX_IMAGE_PIXELS:
+                    raise RateError(f"{where}: {field} {path.name}: {im.width}x{im.height} pixels, over "
+                                    f"{MAX_IMAGE_PIXELS}")
+                im.load()
+    except RateError:
+        raise
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for a file that is not an image
+        raise RateError(f"{where}: {field} {path.name} is not a readable PNG ({type(e).__name__})") from None
+
+
+def _check_row(r, where: str) -> None:
+    if not isinstance(r, dict):
+        raise RateError(f"{where}: expected a JSON object")
+    missing = [k for k in ("id", "prompt_id", "prompt", "task", "k", "image") if k not in r]
+    if missing:
+        raise RateError(f"{where}: missing {missing}")
+    unknown = sorted(set(r) - set(PATH_FIELDS) - set(TEXT_FIELDS) - set(INT_FIELDS) - {"task"})
+    if unknown:
+        known = sorted(set(PATH_FIELDS) | set(TEXT_FIELDS) | set(INT_FIELDS) | {"task"})
+        raise RateError(f"{where}: unknown key(s) {unknown}: a candidates line has {known}")
+    for key, most in TEXT_FIELDS.items():
+        v = r[key]
+        if not isinstance(v, str) or not v.strip() or len(v) > most or "\x00" in v:
+            raise RateError(f"{where}: {key} {v!r:.80}: expected text of 1-{most} characters")
+    for key in INT_FIELDS:
+        v = r.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2 ** 63:
+            raise RateError(f"{where}: {key} {v!r:.40}: expected an integer in [0, 2^63)")
+    if r["task"] not in TASKS:
+        raise RateError(f"{where}: task {r['task']!r:.40}: expected one of {TASKS}")
+    if r.get("frames") is not None and not isinstance(r["frames"], list):
+        raise RateError(f"{where}: frames: expected a list of paths")
+
+
 def read_candidates(folder: str | Path) -> tuple[dict, list[dict]]:
-    """(manifest, candidates) of a candidates folder, checked: every line parses, every image exists inside the
-    folder. Errors name the file and line."""
+    """(manifest, candidates) of a candidates folder, checked: every line parses, every path a line names (image,
+    frames, source) is a PNG inside the folder, symlinks followed; each prompt has the manifest's K candidates, ids
+    unique. Errors name the file and line."""
     d = Path(folder)
+    root = d.resolve()
     mpath = d / "manifest.json"
     if not mpath.is_file():
         raise RateError(f"{d}: no manifest.json (a candidates folder is what 'difftrain candidates' writes)")
+    confined(root, "manifest.json", str(d), "manifest.json")
     try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise RateError(f"{mpath}: not JSON ({e})") from None
     if not isinstance(manifest, dict) or "k" not in manifest:
         raise RateError(f"{mpath}: expected an object with 'k', 'digest', 'prompts'")
+    k = manifest["k"]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise RateError(f"{mpath}: k {k!r:.40}: expected an integer in [1, {MAX_K}]")
     cpath = d / "candidates.jsonl"
     if not cpath.is_file():
         raise RateError(f"{d}: no candidates.jsonl")
-    rows, root = [], d.resolve()
-    for n, line in enumerate(cpath.read_text(encoding="utf-8").splitlines(), 1):
+    confined(root, "candidates.jsonl", str(d), "candidates.jsonl")
+    rows: list[dict] = []
+    seen: dict[str, str] = {}
+    try:
+        text = cpath.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RateError(f"{cpath}: not UTF-8 text") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{cpath}:{n}"
         try:
             r = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise RateError(f"{where}: not JSON") from None
-        missing = [k for k in ("id", "prompt_id", "prompt", "task", "k", "image") if k not in r]
-        if missing:
-            raise RateError(f"{where}: missing {missing}")
-        frames = r.get("frames") or [r["image"]]
+        _check_row(r, where)
+        if r["id"] in seen:
+            raise RateError(f"{where}: candidate id {r['id']!r} repeats {seen[r['id']]}")
+        seen[r["id"]] = where
         paths = []
-        for rel in frames:
-            p = (d / rel).resolve()
-            if not p.is_relative_to(root):
-                raise RateError(f"{where}: image {rel!r} is outside the folder")
-            if not p.is_file():
-                raise RateError(f"{where}: image {rel} not found")
-            paths.append(str(p))
+        for field, rel in [("image", r["image"])] + [("frames", f) for f in (r.get("frames") or [])]:
+            p = confined(root, rel, where, field)
+            check_image(p, where, field)
+            if field == "frames" or not r.get("frames"):
+                paths.append(str(p))
         r["paths"] = paths
         r["source_path"] = ""
         if r["task"] == "edit":
-            src = Path(r.get("source") or "")
-            if not src.is_file():
-                raise RateError(f"{where}: the edit's source image {str(src)!r} not found")
-            r["source_path"] = str(src.resolve())
+            if not r.get("source"):
+                raise RateError(f"{where}: an edit needs its source image ('source')")
+            p = confined(root, r["source"], where, "source")
+            check_image(p, where, "source")
+            r["source_path"] = str(p)
+        elif r.get("source"):
+            raise RateError(f"{where}: source {r['source']!r:.80}: only an edit has a source image")
         rows.append(r)
     if not rows:
         raise RateError(f"{cpath}: no candidates")
+    for pid, cands in _by_prompt(rows).items():
+        if len(cands) != k:
+            raise RateError(f"{cpath}: prompt {pid!r} has {len(cands)} candidates, the manifest's k is {k}")
+        if sorted(c["k"] for c in cands) != list(range(k)):
+            raise RateError(f"{cpath}: prompt {pid!r}: candidate numbers {sorted(c['k'] for c in cands)}, "
+                            f"expected 0..{k - 1} once each")
     return manifest, rows
 
 

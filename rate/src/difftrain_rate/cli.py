@@ -1,8 +1,9 @@
 """``difftrain-rate`` (also ``difftrain rate``): serve the app, manage users, import batches, export answers.
 
     difftrain-rate serve --db URL [--batches DIR] [--host 127.0.0.1] [--port 8000] [--workers 2] [--secure-cookies]
+                         [--forwarded-allow-ips PROXY,...] [--assignment-ttl SECONDS]
     difftrain-rate user add NAME [--role rater|admin]      (password from DIFFTRAIN_RATE_PASSWORD or asked)
-    difftrain-rate user disable NAME | user enable NAME | user token NAME
+    difftrain-rate user disable NAME | user enable NAME | user token NAME | user unlock NAME
     difftrain-rate import --db URL --name NAME FOLDER [FOLDER_B] [--kind ranking|pairwise] [--raters R]
                           [--gold FILE --gold-rate F] [--questions overall aesthetics prompt_fit]
     difftrain-rate export --db URL --out rankings.jsonl [--batch NAME] [--include-flagged]
@@ -12,7 +13,9 @@
 
 URL: a SQLite file path (the default kind) or postgresql://user:pass@host/db. ``serve --batches DIR`` imports each
 candidates folder under DIR not imported yet (settings from its ``batch.json``, if any: kind, raters, gold,
-gold_rate, questions, compare_with) before it starts.
+gold_rate, questions, compare_with) before it starts; every file it names stays inside DIR. ``serve`` trusts no
+proxy's ``X-Forwarded-*`` headers unless ``--forwarded-allow-ips`` names it. Its worker processes end with it, even
+when it is killed with SIGKILL (each asks the kernel for a signal when its parent dies).
 """
 
 from __future__ import annotations
@@ -68,21 +71,48 @@ def import_folders(db, root: str) -> list[dict]:
     for d in sorted(p for p in r.iterdir() if (p / "manifest.json").is_file()):
         if d.name in have:
             continue
-        settings = {}
-        if (d / "batch.json").is_file():
-            try:
-                settings = json.loads((d / "batch.json").read_text())
-            except json.JSONDecodeError as e:
-                raise RateError(f"{d / 'batch.json'}: not JSON ({e})") from None
-            unknown = set(settings) - {"kind", "raters", "gold", "gold_rate", "questions", "compare_with"}
-            if unknown:
-                raise RateError(f"{d / 'batch.json'}: unknown key(s) {sorted(unknown)}")
-        folders = [str(d)] + ([str((d / settings["compare_with"]).resolve())] if settings.get("compare_with") else [])
-        gold = settings.get("gold")
-        made.append(import_batch(db, d.name, folders, settings.get("kind", "ranking"), int(settings.get("raters", 3)),
-                                 float(settings.get("gold_rate", 0.0)), str(d / gold) if gold else None,
-                                 settings.get("questions")))
+        made.append(import_batch(db, d.name, **_batch_settings(d, r.resolve())))
     return made
+
+
+BATCH_KEYS = {"kind": str, "raters": int, "gold": str, "gold_rate": (int, float), "questions": list,
+              "compare_with": str}
+
+
+def _batch_settings(d: Path, root: Path) -> dict:
+    """import_batch's arguments from ``d/batch.json``, checked: known keys of the right types, files inside ``d``,
+    a comparison's other folder inside ``root``."""
+    from difftrain_rate.batches import confined
+
+    out = {"folders": [str(d)]}
+    path = d / "batch.json"
+    if not path.is_file():
+        return out
+    where = str(path)
+    confined(d.resolve(), "batch.json", where, "batch.json")
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise RateError(f"{where}: not JSON ({e})") from None
+    if not isinstance(settings, dict):
+        raise RateError(f"{where}: expected an object")
+    unknown = set(settings) - set(BATCH_KEYS)
+    if unknown:
+        raise RateError(f"{where}: unknown key(s) {sorted(unknown)}")
+    for key, kind in BATCH_KEYS.items():
+        if key in settings and (isinstance(settings[key], bool) or not isinstance(settings[key], kind)):
+            raise RateError(f"{where}: {key} {settings[key]!r:.40}: expected a {getattr(kind, '__name__', 'number')}")
+    if "compare_with" in settings:
+        other = (d / settings["compare_with"]).resolve()
+        if not other.is_relative_to(root) or not other.is_dir():
+            raise RateError(f"{where}: compare_with {settings['compare_with']!r}: expected a folder inside {root}")
+        out["folders"].append(str(other))
+    if "gold" in settings:
+        out["gold"] = str(confined(d.resolve(), settings["gold"], where, "gold"))
+    for key in ("kind", "raters", "gold_rate", "questions"):
+        if key in settings:
+            out[key] = settings[key]
+    return out
 
 
 def serve(args) -> None:
@@ -92,11 +122,18 @@ def serve(args) -> None:
     if args.batches:
         for m in import_folders(db, args.batches):
             print(json.dumps({"imported": m}), flush=True)
+    from difftrain_rate.app import assignment_ttl
+
     os.environ["DIFFTRAIN_RATE_DB"] = args.db
+    os.environ["DIFFTRAIN_RATE_ASSIGNMENT_TTL"] = str(assignment_ttl(args.assignment_ttl))
+    os.environ["DIFFTRAIN_RATE_PARENT"] = str(os.getpid())       # the workers end when this process does
     if args.secure_cookies:
         os.environ["DIFFTRAIN_RATE_SECURE"] = "1"
+    proxies = args.forwarded_allow_ips or ""
+    # No proxy named: X-Forwarded-For and -Proto are ignored, the client is the socket's peer (uvicorn would
+    # otherwise trust 127.0.0.1, so anyone on the host could claim any address and pass the per-address limit).
     uvicorn.run("difftrain_rate.app:factory", factory=True, host=args.host, port=args.port, workers=args.workers,
-                proxy_headers=True, forwarded_allow_ips=args.forwarded_allow_ips, log_level=args.log_level,
+                proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
 
 
@@ -114,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--secure-cookies", action="store_true", help="mark cookies Secure (behind a TLS proxy)")
-    p.add_argument("--forwarded-allow-ips", default="127.0.0.1", help="proxies trusted for X-Forwarded-Proto")
+    p.add_argument("--forwarded-allow-ips", default="",
+                   help="the reverse proxies (addresses, comma-separated) whose X-Forwarded-For/-Proto are trusted; "
+                        "none by default")
+    p.add_argument("--assignment-ttl", default=30 * 60, type=float,
+                   help="seconds an item is held for a rater before it is released for others (default 1800)")
     p.add_argument("--log-level", default="warning")
 
     u = sub.add_parser("user", help="accounts")
@@ -122,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = with_db(usub.add_parser("add"))
     add.add_argument("name")
     add.add_argument("--role", default="rater", choices=("rater", "admin"))
-    for action in ("disable", "enable", "token"):
+    for action in ("disable", "enable", "token", "unlock"):
         with_db(usub.add_parser(action)).add_argument("name")
 
     p = with_db(sub.add_parser("import", help="import a candidates folder (two: a comparison) as a batch"))
@@ -165,6 +206,8 @@ def run(argv: list[str] | None = None) -> None:
         elif args.action in ("disable", "enable"):
             auth.set_disabled(db, args.name, args.action == "disable")
             print(json.dumps({"user": args.name, "disabled": args.action == "disable"}))
+        elif args.action == "unlock":
+            print(json.dumps({"user": args.name, "failures_forgotten": auth.unlock(db, args.name)}))
         else:
             print(auth.new_token(db, args.name))
     elif args.cmd == "import":

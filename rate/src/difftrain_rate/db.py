@@ -8,7 +8,8 @@ takes the write lock before reading, so two server processes never deadlock upgr
 transaction and does not queue behind writers.
 
 What the database enforces (not only the code): each item is rated by a rater at most once (unique (item,
-rater)) and has at most R rating slots (unique (item, slot), slots 0..R-1; gold items take the rater's id as
+rater)) and has at most 2R rating slots (unique (item, slot), slots 0..2R-1: R that count, and those a skip or a
+flagged rater gave back; gold items take the rater's id as
 their slot); an answer is one per assignment and one per idempotency key, so a retried post counts once.
 """
 
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 from sqlalchemy import (JSON, Boolean, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text,
-                        UniqueConstraint, create_engine, event)
+                        UniqueConstraint, create_engine, event, false, true)
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -41,6 +42,8 @@ class User(Base):
     password_hash: Mapped[str] = mapped_column(String(200))
     role: Mapped[str] = mapped_column(String(16))
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # fails the gold check (report.is_flagged), kept current on each gold answer: the rater's slots reopen
+    flagged: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[float] = mapped_column(Float, default=now)
     __table_args__ = (CheckConstraint("role in ('rater', 'admin')", name="ck_users_role"),)
 
@@ -67,6 +70,16 @@ class LoginFailure(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     key: Mapped[str] = mapped_column(String(200), index=True)           # "name:<name>" or "ip:<address>"
     at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class KnownSignIn(Base):
+    """An address a user has signed in from: failures of other people's guesses never block it."""
+    __tablename__ = "known_sign_ins"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    address: Mapped[str] = mapped_column(String(64))
+    at: Mapped[float] = mapped_column(Float, default=now)
+    __table_args__ = (UniqueConstraint("user_id", "address", name="uq_known_sign_in"),)
 
 
 class RatingBatch(Base):
@@ -119,6 +132,9 @@ class Assignment(Base):
     order: Mapped[list] = mapped_column(JSON)                            # the item's images as this rater sees them
     created_at: Mapped[float] = mapped_column(Float, default=now)
     answered: Mapped[bool] = mapped_column(Boolean, default=False)
+    # counts toward the item's R: false once answered with a skip or when its rater is flagged (the item is then
+    # served to another rater, in a slot past R, up to 2R slots in all)
+    counts: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     __table_args__ = (UniqueConstraint("item_id", "rater_id", name="uq_assignment_item_rater"),
                       UniqueConstraint("item_id", "slot", name="uq_assignment_item_slot"),
                       Index("ix_assignments_rater", "rater_id", "answered"),

@@ -35,11 +35,22 @@ def answer_rows(db: Database) -> list[dict]:
     return out
 
 
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def cell(value):
+    """A CSV cell a spreadsheet shows as text: a string starting with a formula character gets a leading ' (OWASP's
+    CSV injection rule); numbers stay numbers."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
+
+
 def answers_csv(db: Database) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS)
     w.writeheader()
-    w.writerows(answer_rows(db))
+    w.writerows({k: cell(v) for k, v in row.items()} for row in answer_rows(db))
     return buf.getvalue()
 
 

@@ -26,6 +26,23 @@ def _load(s, batch_ids: list[int] | None = None):
     return s.execute(q).all()
 
 
+def is_flagged(gold_score_sum: float, gold_units: int) -> bool:
+    """The rule: at least MIN_GOLD gold units answered, agreeing with gold on less than GOLD_THRESHOLD of them."""
+    return gold_units >= MIN_GOLD and gold_score_sum / gold_units < GOLD_THRESHOLD
+
+
+def rater_flagged(s, rater: int) -> bool:
+    """``is_flagged`` for one rater from their gold answers alone (what each gold answer updates)."""
+    score, units = 0.0, 0
+    rows = s.execute(select(Answer.order, Answer.outcome, Item.images, Item.gold).join(Item, Item.id == Answer.item_id)
+                     .where(Answer.rater_id == rater, Item.gold.is_not(None))).all()
+    for order, outcome, images, gold in rows:
+        handles = [v[0] for v in images]
+        sc, n = gold_score(preferences(order, outcome, handles), preferences(gold, "ranked", handles))
+        score, units = score + sc, units + n
+    return is_flagged(score, units)
+
+
 def rater_quality(s) -> dict[str, dict]:
     """Per rater: answers, median seconds an item, gold units and agreement, agreement with the majority, flagged."""
     rows = _load(s)
@@ -60,7 +77,7 @@ def rater_quality(s) -> dict[str, dict]:
         result[name] = {"answers": r["answers"], "median_seconds": round(statistics.median(r["seconds"]), 2),
                         "gold_units": r["gold_units"], "gold_agreement": None if gold is None else round(gold, 4),
                         "majority_agreement": round(r["maj_agree"] / r["maj_units"], 4) if r["maj_units"] else None,
-                        "flagged": bool(gold is not None and r["gold_units"] >= MIN_GOLD and gold < GOLD_THRESHOLD)}
+                        "flagged": is_flagged(r["gold_score"], r["gold_units"])}
     return result
 
 

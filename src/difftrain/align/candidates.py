@@ -7,9 +7,10 @@ candidates of two checkpoints on the same prompts and seeds form a comparison ba
 
 DIR holds ``manifest.json`` (the checkpoint's path, step and digest, the weights used, the sampler settings, the
 prompts), ``candidates.jsonl`` (one line per candidate, appended once its PNG is in place: id, prompt id, prompt,
-task, k, seed, noise seed, image path(s), source image) and ``images/`` (PNGs with no metadata: what was used to
+task, k, seed, noise seed, image path(s) and source image, relative to DIR), ``images/`` (PNGs with no metadata: what was used to
 make an image is in the manifest, never in the image). A killed run keeps every candidate it recorded; rerun the
-same command to finish. Under torchrun the model is sharded (as ``sample``) and each rank generates its slice
+same command to finish. An edit's source image is copied in as a PNG (``sources/``): every path a line names lies
+inside DIR, as the rating app requires. Under torchrun the model is sharded (as ``sample``) and each rank generates its slice
 of every batch; rank 0 writes.
 """
 
@@ -121,6 +122,22 @@ def _done(path: Path) -> set[str]:
     return done
 
 
+def _source_copy(source: str, outdir: Path) -> str:
+    """The edit's source image as a PNG inside ``outdir`` (``sources/<digest>.png``, named by the file's bytes);
+    the path relative to ``outdir``. The rating app serves only files inside a candidates folder."""
+    import hashlib
+
+    from PIL import Image
+
+    data = Path(source).read_bytes()
+    rel = f"sources/{hashlib.sha256(data).hexdigest()[:20]}.png"
+    if not (outdir / rel).is_file():
+        (outdir / "sources").mkdir(parents=True, exist_ok=True)
+        with Image.open(source) as im:
+            _write_png(np.asarray(im.convert("RGB")), outdir / rel)
+    return rel
+
+
 def _write_png(img: np.ndarray, path: Path) -> None:
     """A PNG with no text chunks, written whole then renamed (a kill never leaves half an image)."""
     from PIL import Image
@@ -175,6 +192,7 @@ def generate(checkpoint: str, prompts_path: str, k: int, out: str, *, seed: int 
         groups.setdefault((q.task, q.source, q.frames), []).append((q, j))
     chunks = [items[s:s + batch] for items in groups.values() for s in range(0, len(items), batch)]
     size = cfg.data.image_size
+    sources = ({q.source: _source_copy(q.source, outdir) for q, _ in todo if q.task == "edit"} if rank == 0 else {})
     bar = _progress(progress and rank == 0, len(todo))
     written = 0
     try:
@@ -211,7 +229,7 @@ def generate(checkpoint: str, prompts_path: str, k: int, out: str, *, seed: int 
                             _write_png(imgs[b, fr], outdir / name)
                         row = {"id": cid, "prompt_id": q.id, "prompt": q.prompt, "task": task, "k": j, "seed": seed,
                                "noise_seed": s, "image": names[0], "frames": names if task == "keyframes" else [],
-                               "source": q.source}
+                               "source": sources.get(q.source, "") if task == "edit" else ""}
                         f.write(json.dumps(row) + "\n")
                         f.flush()
                 written += B

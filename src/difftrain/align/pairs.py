@@ -114,7 +114,8 @@ def make_pairs(rankings_path: str | Path, candidates_dir: str | Path, out: str |
                          "winner": w, "loser": lo,
                          "winner_image": os.path.relpath(cdir / cw["image"], base),
                          "loser_image": os.path.relpath(cdir / cl["image"], base),
-                         "source_image": cw.get("source") or "", "winner_seed": int(cw["noise_seed"]),
+                         "source_image": (os.path.relpath(cdir / cw["source"], base)
+                                          if cw.get("source") else ""), "winner_seed": int(cw["noise_seed"]),
                          "loser_seed": int(cl["noise_seed"]), "agreement": max(up, down) / (up + down + same),
                          "raters": up + down + same, "split": _split(seed, prompt_id, validation)})
     if any(r["task"] == "keyframes" for r in rows):
