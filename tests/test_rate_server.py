@@ -96,3 +96,101 @@ def test_two_workers_concurrent_raters_and_a_sigkill_lose_nothing(kind, tmp_path
     assert set(per_item.values()) == {3} and over == 0
     db.engine.dispose()
     drop()
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes under ``pid`` (from /proc)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and os.path.exists(f"/proc/{pid}")
+
+
+def _chunked_post(port: int, path: str, most: int) -> tuple[bytes, int]:
+    """POST a chunked body of up to ``most`` bytes in 16 KiB chunks, stopping as soon as the server answers;
+    (the response's first bytes, the bytes sent)."""
+    import select
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+              "Content-Type: application/x-www-form-urlencoded\r\n\r\n".encode())
+    chunk, sent = b"4000\r\n" + b"x" * 0x4000 + b"\r\n", 0
+    try:
+        while sent < most:
+            if select.select([s], [], [], 0)[0]:
+                break
+            if not select.select([], [s], [], 5)[1]:
+                break                                    # the server stopped reading: wait for its answer
+            sent += s.send(chunk)
+        s.settimeout(10)
+        return s.recv(4096), sent
+    except (BrokenPipeError, ConnectionResetError):
+        return s.recv(4096) if select.select([s], [], [], 1)[0] else b"", sent
+    finally:
+        s.close()
+
+
+def test_serve_bounds_bodies_ignores_forwarded_for_and_dies_with_its_pid(tmp_path):
+    """A real ``serve`` with two workers: a chunked body is cut at the limit (not read to its 48 MiB),
+    X-Forwarded-For moves no one's sign-in count, and SIGKILL of serve's PID alone (as an operator or systemd
+    would) takes its workers with it: the port is free and a new serve starts on it."""
+    import os
+    import re
+    import signal
+    import time
+
+    import httpx
+
+    url = str(tmp_path / "rate.db")
+    upgrade(url)
+    add_users(Database(url), "alice")
+    server = Server(url, workers=2).start()
+    try:
+        head, sent = _chunked_post(server.port, "/login", 48 << 20)
+        assert head.startswith(b"HTTP/1.1 413"), head[:200]
+        assert b"content-security-policy" in head.lower()
+        assert sent < 16 << 20, sent                                     # socket buffers, not the 48 MiB
+        # X-Forwarded-For from a client is not believed: thirty failures from this address, whatever it claims.
+        c = httpx.Client(base_url=server.url)
+        token = re.search(r'name="csrf" value="([^"]+)"', c.get("/login").text).group(1)
+        codes = [c.post("/login", data={"name": f"n{i}", "password": "wrong password", "csrf": token},
+                        headers={"X-Forwarded-For": f"192.0.2.{i}"}).status_code for i in range(31)]
+        assert codes == [401] * 30 + [429], codes
+        workers = _descendants(server.proc.pid)
+        assert len(workers) >= 2
+        os.kill(server.proc.pid, signal.SIGKILL)                         # the PID alone: not its group
+        server.proc.wait()
+        deadline = time.time() + 20
+        while time.time() < deadline and any(_alive(p) for p in workers):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers), "serve's workers outlived it"
+        again = Server(url, workers=2, port=server.port).start()        # the same port: nothing holds it
+        try:
+            assert httpx.get(again.url + "/login").status_code == 200
+        finally:
+            again.stop()
+    finally:
+        server.kill()
