@@ -388,6 +388,12 @@ def test_skipped_slots_reopen_up_to_a_cap(rate):
     for name in ("alice", "bob", "carol", "dave"):
         assert _answer_next(url, name, "skip") is not None
     assert _answer_next(url, "erin") is None
+    from difftrain_rate.db import RatingBatch
+    from difftrain_rate.report import batch_progress
+    with db.read() as s:                       # what 'difftrain align' waits on: done, one way or the other
+        b1, b2 = (s.scalar(select(RatingBatch).where(RatingBatch.name == n)) for n in ("b1", "b2"))
+        assert batch_progress(s, b1) == {"items": 1, "complete": 1, "given_up": 0, "answers": 3, "target": 2}
+        assert batch_progress(s, b2) == {"items": 1, "complete": 0, "given_up": 1, "answers": 4, "target": 2}
 
 
 def test_a_flagged_raters_slots_reopen(rate):

@@ -10,10 +10,12 @@ this site only, no inline script) and no framing.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -32,6 +34,8 @@ HERE = Path(__file__).parent
 COOKIE = "dr_session"
 LOGIN_COOKIE = "dr_login"
 IMAGE_ID = re.compile(r"^[A-Za-z0-9_-]{16,32}$")
+SIGN_IN_THREADS = 2
+DB_THREADS = 1
 
 
 def assignment_ttl(value) -> float:
@@ -67,6 +71,18 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
     app.state.db = db
     app.state.assignment_ttl = ttl
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+
+    sign_in_threads = anyio.CapacityLimiter(SIGN_IN_THREADS)
+    db_threads = anyio.CapacityLimiter(DB_THREADS)
+
+    def in_db_thread(route):
+        """The route run in the app's own pool of DB_THREADS threads (not on the event loop, not in the pool that
+        sign-ins and file sends use): one request's Python work at a time per process, so a short answer never
+        waits on the GIL behind several pages at once (the rating routes' latency under load)."""
+        @functools.wraps(route)
+        async def run(**kw):
+            return await anyio.to_thread.run_sync(functools.partial(route, **kw), limiter=db_threads)
+        return run
 
     def page(name: str, status: int = 200, **context) -> HTMLResponse:
         return HTMLResponse(templates.get_template(name).render(**context), status_code=status)
@@ -114,6 +130,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
 
     # ---- sign in / out ------------------------------------------------------------------------------------
     @app.get("/login")
+    @in_db_thread
     def login_page(request: Request):
         token = request.cookies.get(LOGIN_COOKIE) or auth.secrets.token_urlsafe(24)
         r = page("login.html", csrf=token, error=None)
@@ -121,7 +138,12 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return r
 
     @app.post("/login")
-    def login(request: Request):
+    async def login(request: Request):
+        # Parsing the bounded body is quick; the sign-in itself (Argon2, two transactions) runs in a thread of
+        # its own pool, so 50 people signing in at once queue there, not in the pool the rating routes use.
+        return await anyio.to_thread.run_sync(sign_in, request, limiter=sign_in_threads)
+
+    def sign_in(request: Request):
         cookie = request.cookies.get(LOGIN_COOKIE, "")
         try:
             form = inputs.form(body(request), request.headers.get("content-type"),
@@ -147,6 +169,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return r
 
     @app.post("/logout")
+    @in_db_thread
     def logout(request: Request):
         p, refused = gate(request, api=False)
         if refused:
@@ -168,6 +191,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
                 "context": [f"/img/{i}" for i in item.context], "progress": list(served.progress)}
 
     @app.get("/")
+    @in_db_thread
     def rate_page(request: Request):
         p, refused = gate(request, api=False)
         if refused:
@@ -181,6 +205,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return page("rate.html", user=p.user, csrf=p.csrf, it=item_json(served))
 
     @app.get("/api/next")
+    @in_db_thread
     def api_next(request: Request):
         p, refused = gate(request, api=True)
         if refused:
@@ -192,6 +217,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return JSONResponse({"item": None} if served is None else item_json(served))
 
     @app.post("/api/answer")
+    @in_db_thread
     def api_answer(request: Request):
         p, refused = gate(request, api=True, write=True)
         if refused:
@@ -206,6 +232,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return JSONResponse(result)
 
     @app.post("/api/undo")
+    @in_db_thread
     def api_undo(request: Request):
         p, refused = gate(request, api=True, write=True)
         if refused:
@@ -213,6 +240,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return JSONResponse({"undone": assign.undo(db, p.user.id)})
 
     @app.get("/img/{image_id}")
+    @in_db_thread
     def image(image_id: str, request: Request):
         p, refused = gate(request, api=True)
         if refused:
@@ -236,6 +264,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
 
     # ---- admin --------------------------------------------------------------------------------------------
     @app.get("/admin")
+    @in_db_thread
     def admin_page(request: Request):
         p, refused = gate(request, api=False, admin=True)
         if refused:
@@ -243,6 +272,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return page("admin.html", user=p.user, csrf=p.csrf, f=admin_figures(db))
 
     @app.get("/api/admin")
+    @in_db_thread
     def api_admin(request: Request):
         p, refused = gate(request, api=True, admin=True)
         if refused:
@@ -250,6 +280,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return JSONResponse(admin_figures(db))
 
     @app.get("/admin/answers.csv")
+    @in_db_thread
     def export_csv(request: Request):
         from difftrain_rate.export import answers_csv
 
@@ -260,6 +291,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
                         headers={"Content-Disposition": "attachment; filename=answers.csv"})
 
     @app.post("/admin/unlock")
+    @in_db_thread
     def admin_unlock(request: Request):
         p, refused = gate(request, api=False, admin=True)
         if refused:

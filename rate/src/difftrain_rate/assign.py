@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from sqlalchemy import and_, delete, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from difftrain_rate.db import Answer, Assignment, Database, Item, RatingBatch, User, now
+from difftrain_rate.db import SLOTS_PER_R, Answer, Assignment, Database, Item, RatingBatch, User, now
 from difftrain_rate.report import rater_flagged
 
 ASSIGNMENT_TTL = 30 * 60
 TTL_RANGE = (1, 7 * 24 * 3600)
-SLOTS_PER_R = 2              # an item's slots in all, per R: R count, the rest reopened by skips and flagged raters
 UNDO_SECONDS = 10 * 60
 from difftrain_rate.inputs import OUTCOMES  # noqa: E402 - one list for the API and the database
 

@@ -27,6 +27,7 @@ import math
 import re
 import secrets
 import struct
+import threading
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
@@ -47,6 +48,10 @@ FAILS_PER_NAME = 50
 MIN_PASSWORD = 8
 
 _hasher = PasswordHasher()
+# One Argon2 computation at a time per process: each takes 64 MiB and four lanes, and the routes run in a thread
+# pool, so 50 raters signing in at once would otherwise run 50 hashes together and starve the rating routes of
+# CPU. Waiting sign-ins hold a pool thread, not a core (the hash itself runs without the GIL).
+_hashing = threading.BoundedSemaphore(1)
 
 
 def digest(token: str) -> str:
@@ -143,13 +148,14 @@ def login(db: Database, name: str, password: str, address: str) -> tuple[str, st
         pending_ids = [f.id for f in pending]
     # The hash is checked outside any write transaction (it takes ~50 ms).
     ok = False
-    if u is not None and not u.disabled:
-        try:
-            ok = _hasher.verify(u.password_hash, password)
-        except (VerificationError, InvalidHashError):
-            ok = False
-    else:
-        _hasher.hash(password or "x")          # the same work for an unknown name: no timing oracle
+    with _hashing:
+        if u is not None and not u.disabled:
+            try:
+                ok = _hasher.verify(u.password_hash, password)
+            except (VerificationError, InvalidHashError):
+                ok = False
+        else:
+            _hasher.hash(password or "x")          # the same work for an unknown name: no timing oracle
     if not ok:
         return None
     with db.write() as s:

@@ -27,6 +27,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from difftrain_rate.errors import RateError
 
 
+SLOTS_PER_R = 2     # an item's slots in all, per R: R that count, the rest reopened by skips and flagged raters
+
+
 class Base(DeclarativeBase):
     pass
 

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from sqlalchemy import func, select
 
-from difftrain_rate.db import Answer, Database, Image, Item, RatingBatch, User
+from difftrain_rate.db import SLOTS_PER_R, Answer, Database, Image, Item, RatingBatch, User
 from difftrain_rate.stats import (bradley_terry, gold_score, krippendorff_alpha, majority, preferences, wilson)
 
 GOLD_THRESHOLD = 0.7
@@ -86,12 +86,23 @@ def flagged(s) -> set[str]:
 
 
 def batch_progress(s, batch: RatingBatch) -> dict:
-    """Items (gold left out), those with their R answers, and answers against the target: counts only."""
-    ids = s.scalars(select(Item.id).where(Item.batch_id == batch.id, Item.gold.is_(None))).all()
-    counts = dict(s.execute(select(Answer.item_id, func.count()).join(Item, Item.id == Answer.item_id)
-                            .where(Item.batch_id == batch.id, Item.gold.is_(None)).group_by(Answer.item_id)).all())
-    return {"items": len(ids), "complete": sum(1 for n in counts.values() if n >= batch.raters),
-            "answers": sum(counts.values()), "target": len(ids) * batch.raters}
+    """Items (gold left out); those ``complete`` (R answers that count: no skip, no flagged rater) and those
+    ``given_up`` (every one of their 2R slots answered without reaching R); answers against the target. Counts
+    only."""
+    from difftrain_rate.db import Assignment
+
+    ordinary = (Item.batch_id == batch.id, Item.gold.is_(None))
+    n_items = s.scalar(select(func.count()).select_from(Item).where(*ordinary)) or 0
+    counting = dict(s.execute(select(Answer.item_id, func.count()).join(Item, Item.id == Answer.item_id)
+                              .join(Assignment, Assignment.id == Answer.assignment_id)
+                              .where(*ordinary, Assignment.counts.is_(True)).group_by(Answer.item_id)).all())
+    answered = dict(s.execute(select(Answer.item_id, func.count()).join(Item, Item.id == Answer.item_id)
+                              .where(*ordinary).group_by(Answer.item_id)).all())
+    complete = sum(1 for n in counting.values() if n >= batch.raters)
+    given_up = sum(1 for i, n in answered.items()
+                   if n >= SLOTS_PER_R * batch.raters and counting.get(i, 0) < batch.raters)
+    return {"items": n_items, "complete": complete, "given_up": given_up, "answers": sum(answered.values()),
+            "target": n_items * batch.raters}
 
 
 def batch_figures(s, batch: RatingBatch, exclude: set[str]) -> dict:

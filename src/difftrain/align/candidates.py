@@ -7,11 +7,11 @@ candidates of two checkpoints on the same prompts and seeds form a comparison ba
 
 DIR holds ``manifest.json`` (the checkpoint's path, step and digest, the weights used, the sampler settings, the
 prompts), ``candidates.jsonl`` (one line per candidate, appended once its PNG is in place: id, prompt id, prompt,
-task, k, seed, noise seed, image path(s) and source image, relative to DIR), ``images/`` (PNGs with no metadata: what was used to
-make an image is in the manifest, never in the image). A killed run keeps every candidate it recorded; rerun the
-same command to finish. An edit's source image is copied in as a PNG (``sources/``): every path a line names lies
-inside DIR, as the rating app requires. Under torchrun the model is sharded (as ``sample``) and each rank generates its slice
-of every batch; rank 0 writes.
+task, k, seed, noise seed, image path(s) and source image, relative to DIR), ``images/`` (PNGs with no metadata:
+what was used to make an image is in the manifest, never in the image) and ``sources/`` (an edit's source image
+copied in as a PNG: every path a line names lies inside DIR, as the rating app requires). A killed run keeps
+every candidate it recorded; rerun the same command to finish. Under torchrun the model is sharded (as
+``sample``) and each rank generates its slice of every batch; rank 0 writes.
 """
 
 from __future__ import annotations

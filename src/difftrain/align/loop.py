@@ -163,13 +163,14 @@ def _wait_rated(db, batch: str, raters: list[tuple[str, str]], app_url: str | No
             with db.read() as s:
                 b = s.scalar(select(RatingBatch).where(RatingBatch.name == batch))
                 fig = batch_progress(s, b)          # counts only: the figures once, at the end
-            if fig["complete"] == fig["items"]:
+            if fig["complete"] + fig["given_up"] == fig["items"]:     # given up: every slot skipped
                 break
             if (fig["complete"], fig["answers"]) != last:
                 log.info("batch %s: %d of %d items rated by %d raters (%d answers)", batch, fig["complete"],
                          fig["items"], b.raters, fig["answers"])
                 last = (fig["complete"], fig["answers"])
-            if threads and not any(t.is_alive() for t in threads) and fig["complete"] < fig["items"]:
+            if (threads and not any(t.is_alive() for t in threads)
+                    and fig["complete"] + fig["given_up"] < fig["items"]):
                 raise UserError(f"batch {batch}: the automatic raters ran out of items with {fig['complete']} of "
                                 f"{fig['items']} complete: give more raters than --raters-per-item")
             if time.time() > deadline:
