@@ -9,8 +9,8 @@ Three phases per database:
 3. the server SIGKILLed (every worker) while raters answer with a short think time, then started again and the
    raters go on: every answer the server acknowledged must be in the database.
 Then from the database: ``answers_lost`` (acknowledged, not stored), ``answers_duplicated`` (an (item, rater) or
-an idempotency key stored twice), ``over_assigned`` (items with more than R answers that count, or more than 2R assignments),
-``db_locked_errors`` (5xx answers plus "database is locked" in the server's log).
+an idempotency key stored twice), ``over_assigned`` (items with more than R answers that count, or more than 2R
+assignments), ``db_locked_errors`` (5xx answers plus "database is locked" in the server's log).
 
 Targets: lost, duplicated, over-assigned and locked all 0; ``p95_post_ms`` <= 200; ``p95_page_ms`` <= 300.
 

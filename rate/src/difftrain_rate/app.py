@@ -28,6 +28,7 @@ from difftrain_rate import assign, auth, inputs
 from difftrain_rate.db import Database, Image, RatingBatch
 from difftrain_rate.errors import RateError
 from difftrain_rate.guard import BODY_KEY, MAX_BODY, RateApp  # noqa: F401 - MAX_BODY: the limit, for callers
+from difftrain_rate.lanes import ANSWERS, PAGES, RouteThread
 from difftrain_rate.report import admin_figures
 
 HERE = Path(__file__).parent
@@ -35,7 +36,6 @@ COOKIE = "dr_session"
 LOGIN_COOKIE = "dr_login"
 IMAGE_ID = re.compile(r"^[A-Za-z0-9_-]{16,32}$")
 SIGN_IN_THREADS = 2
-DB_THREADS = 1
 
 
 def assignment_ttl(value) -> float:
@@ -73,16 +73,16 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
     sign_in_threads = anyio.CapacityLimiter(SIGN_IN_THREADS)
-    db_threads = anyio.CapacityLimiter(DB_THREADS)
+    routes = RouteThread()
 
-    def in_db_thread(route):
-        """The route run in the app's own pool of DB_THREADS threads (not on the event loop, not in the pool that
-        sign-ins and file sends use): one request's Python work at a time per process, so a short answer never
-        waits on the GIL behind several pages at once (the rating routes' latency under load)."""
-        @functools.wraps(route)
-        async def run(**kw):
-            return await anyio.to_thread.run_sync(functools.partial(route, **kw), limiter=db_threads)
-        return run
+    def on_route_thread(priority: int):
+        """The route's work on the process's route thread (``lanes``), at this priority."""
+        def wrap(route):
+            @functools.wraps(route)
+            async def run(**kw):
+                return await routes.run(priority, functools.partial(route, **kw))
+            return run
+        return wrap
 
     def page(name: str, status: int = 200, **context) -> HTMLResponse:
         return HTMLResponse(templates.get_template(name).render(**context), status_code=status)
@@ -130,7 +130,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
 
     # ---- sign in / out ------------------------------------------------------------------------------------
     @app.get("/login")
-    @in_db_thread
+    @on_route_thread(PAGES)
     def login_page(request: Request):
         token = request.cookies.get(LOGIN_COOKIE) or auth.secrets.token_urlsafe(24)
         r = page("login.html", csrf=token, error=None)
@@ -169,7 +169,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return r
 
     @app.post("/logout")
-    @in_db_thread
+    @on_route_thread(ANSWERS)
     def logout(request: Request):
         p, refused = gate(request, api=False)
         if refused:
@@ -191,7 +191,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
                 "context": [f"/img/{i}" for i in item.context], "progress": list(served.progress)}
 
     @app.get("/")
-    @in_db_thread
+    @on_route_thread(PAGES)
     def rate_page(request: Request):
         p, refused = gate(request, api=False)
         if refused:
@@ -205,7 +205,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return page("rate.html", user=p.user, csrf=p.csrf, it=item_json(served))
 
     @app.get("/api/next")
-    @in_db_thread
+    @on_route_thread(PAGES)
     def api_next(request: Request):
         p, refused = gate(request, api=True)
         if refused:
@@ -217,7 +217,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return JSONResponse({"item": None} if served is None else item_json(served))
 
     @app.post("/api/answer")
-    @in_db_thread
+    @on_route_thread(ANSWERS)
     def api_answer(request: Request):
         p, refused = gate(request, api=True, write=True)
         if refused:
@@ -232,7 +232,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return JSONResponse(result)
 
     @app.post("/api/undo")
-    @in_db_thread
+    @on_route_thread(ANSWERS)
     def api_undo(request: Request):
         p, refused = gate(request, api=True, write=True)
         if refused:
@@ -240,7 +240,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return JSONResponse({"undone": assign.undo(db, p.user.id)})
 
     @app.get("/img/{image_id}")
-    @in_db_thread
+    @on_route_thread(PAGES)
     def image(image_id: str, request: Request):
         p, refused = gate(request, api=True)
         if refused:
@@ -264,7 +264,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
 
     # ---- admin --------------------------------------------------------------------------------------------
     @app.get("/admin")
-    @in_db_thread
+    @on_route_thread(PAGES)
     def admin_page(request: Request):
         p, refused = gate(request, api=False, admin=True)
         if refused:
@@ -272,7 +272,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return page("admin.html", user=p.user, csrf=p.csrf, f=admin_figures(db))
 
     @app.get("/api/admin")
-    @in_db_thread
+    @on_route_thread(PAGES)
     def api_admin(request: Request):
         p, refused = gate(request, api=True, admin=True)
         if refused:
@@ -280,7 +280,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return JSONResponse(admin_figures(db))
 
     @app.get("/admin/answers.csv")
-    @in_db_thread
+    @on_route_thread(PAGES)
     def export_csv(request: Request):
         from difftrain_rate.export import answers_csv
 
@@ -291,7 +291,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
                         headers={"Content-Disposition": "attachment; filename=answers.csv"})
 
     @app.post("/admin/unlock")
-    @in_db_thread
+    @on_route_thread(PAGES)
     def admin_unlock(request: Request):
         p, refused = gate(request, api=False, admin=True)
         if refused:
