@@ -422,3 +422,31 @@ def test_a_flagged_raters_slots_reopen(rate):
         ordinary = s.scalar(select(func.count()).select_from(Answer).join(Item, Item.id == Answer.item_id)
                             .where(Answer.rater_id == bob, Item.gold.is_(None)))
     assert ordinary == 2
+
+
+def test_a_choice_made_on_a_stale_snapshot_never_passes_r(rate, monkeypatch):
+    """PostgreSQL (read committed) decides which item to serve on the statement's snapshot; another server may
+    commit an assignment of that item before its row is locked. Handed such a stale choice (an item that already
+    has its R), next_item counts again under the lock and refuses it: found by bench/rate_load.py on PostgreSQL,
+    where 128 items went past R before the recount."""
+    from difftrain_rate import assign
+
+    db, url, tmp = rate
+    import_batch(db, "b1", [str(candidates_folder(tmp / "c", prompts=2, k=2))], kind="pairwise", raters=1)
+    assert _answer_next(url, "alice") is not None
+    with db.read() as s:
+        full = s.scalar(select(Assignment.item_id))
+        bob = s.scalar(select(User.id).where(User.name == "bob"))
+    real = assign._choose
+    stale = []
+
+    def choose(s, seen):
+        if not stale:                    # the first choice: the item alice holds, as a stale snapshot shows it
+            stale.append(1)
+            return s.execute(select(Item, text("0")).where(Item.id == full)).first()
+        return real(s, seen)
+    monkeypatch.setattr(assign, "_choose", choose)
+    served = assign.next_item(db, bob)
+    assert stale and served is not None and served.item.id != full     # the other item, after a retry
+    with db.read() as s:
+        assert s.scalar(select(func.count()).select_from(Assignment).where(Assignment.item_id == full)) == 1

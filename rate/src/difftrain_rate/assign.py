@@ -79,6 +79,23 @@ def _served(s, a: Assignment, rater: int) -> Served:
     return Served(a.id, item, [views[h] for h in a.order], s.get(RatingBatch, item.batch_id), _progress(s, rater))
 
 
+def _choose(s, seen):
+    """The open batch's ordinary item with the most counting assignments that still needs one and has a free
+    slot, that the rater has not seen: (item, counting) or None. Decided on the statement's snapshot."""
+    taken = (select(func.count()).select_from(Assignment).where(Assignment.item_id == Item.id)
+             .correlate(Item).scalar_subquery())
+    counting = (select(func.count()).select_from(Assignment)
+                .where(Assignment.item_id == Item.id, Assignment.counts.is_(True))
+                .correlate(Item).scalar_subquery())
+    return s.execute(select(Item, counting).join(RatingBatch, RatingBatch.id == Item.batch_id)
+                     .where(RatingBatch.status == "open", Item.gold.is_(None), ~seen,
+                            counting < RatingBatch.raters, taken < SLOTS_PER_R * RatingBatch.raters)
+                     .order_by(counting.desc(), Item.batch_id, Item.seq).limit(1)
+                     # PostgreSQL: the chosen item's row stays locked to this transaction and the others skip
+                     # it (no race for its slots); SQLite's writers are serial anyway.
+                     .with_for_update(of=Item, skip_locked=True)).first()
+
+
 def next_item(db: Database, rater: int, rng: random.Random | None = None, ttl: float = ASSIGNMENT_TTL
               ) -> Served | None:
     rng = rng or random.Random()
@@ -105,23 +122,18 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None, ttl: f
                     item = s.scalar(gold)
                     slot = rater          # gold: every rater once; the slot is the rater's own
                 if item is None:
-                    taken = (select(func.count()).select_from(Assignment).where(Assignment.item_id == Item.id)
-                             .correlate(Item).scalar_subquery())
-                    counting = (select(func.count()).select_from(Assignment)
-                                .where(Assignment.item_id == Item.id, Assignment.counts.is_(True))
-                                .correlate(Item).scalar_subquery())
-                    row = s.execute(select(Item, counting).join(RatingBatch, RatingBatch.id == Item.batch_id)
-                                    .where(RatingBatch.status == "open", Item.gold.is_(None), ~seen,
-                                           counting < RatingBatch.raters, taken < SLOTS_PER_R * RatingBatch.raters)
-                                    .order_by(counting.desc(), Item.batch_id, Item.seq).limit(1)
-                                    # PostgreSQL: the chosen item's row stays locked to this transaction and the
-                                    # others skip it (no race for its slots); SQLite's writers are serial anyway.
-                                    .with_for_update(of=Item, skip_locked=True)).first()
+                    row = _choose(s, seen)
                     if row is not None:
                         item = row[0]
-                        used = set(s.scalars(select(Assignment.slot).where(Assignment.item_id == item.id)))
+                        # Counted again now that the item's row is locked: the choice was made on the statement's
+                        # snapshot, and (PostgreSQL, read committed) another server may have committed an
+                        # assignment of this item since, without touching the row the lock re-checks.
+                        raters = s.get(RatingBatch, item.batch_id).raters
+                        held = s.execute(select(Assignment.slot, Assignment.counts)
+                                         .where(Assignment.item_id == item.id)).all()
+                        used = {h.slot for h in held}
                         slot = next(k for k in range(len(used) + 1) if k not in used)
-                        if slot >= slots(s.get(RatingBatch, item.batch_id).raters):
+                        if slot >= slots(raters) or sum(1 for h in held if h.counts) >= raters:
                             raise IntegrityError("the item's slots filled since it was chosen", None, None)
                     elif gold_rate:               # nothing else left: the gold items not seen yet
                         item, slot = s.scalar(gold), rater
