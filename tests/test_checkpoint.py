@@ -374,3 +374,65 @@ def test_plain_reader_reads_straight_into_a_matching_destination(tmp_path):
         assert got is not other and torch.equal(got, a[2:5]) and other.abs().sum() == 0
         part = torch.zeros(3, 2)                                # not whole rows: sliced in memory
         assert torch.equal(f.read("a", (slice(2, 5), slice(1, 3)), out=part), a[2:5, 1:3])
+
+
+class _DeviceStandIn(torch.Tensor):
+    """A tensor that behaves as a GPU shard where the writer could go wrong: it says it lives on cuda:0 and refuses
+    ``.numpy()`` as a CUDA tensor does; every slice of it taken to copy a piece to the host is counted."""
+
+    slices: list[int] = []
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first.")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__:
+            cls.slices.append(1)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_writer_copies_a_device_shard_to_the_host_in_bounded_pieces(tmp_path, monkeypatch):
+    """A blocking save hands the writer the live device shards: it copies each to the host itself, one bounded
+    piece at a time (never ``.numpy()`` on a device tensor, never a full host copy), and the file reads back."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from difftrain.train import checkpoint as ck
+
+    chunk = 1024
+    monkeypatch.setattr(ck, "_CHUNK", chunk)
+    values = {"w": torch.randn(70, 33), "b": torch.arange(10, dtype=torch.bfloat16), "e": torch.zeros(0)}
+    shards = {k: v.as_subclass(_DeviceStandIn) for k, v in values.items()}
+    items = [SimpleNamespace(index=SimpleNamespace(fqn=k), tensor_data=SimpleNamespace(chunk=SimpleNamespace(
+        offsets=[0] * v.dim()))) for k, v in values.items()]
+    planner = SimpleNamespace(resolve_data=lambda wi: shards[wi.index.fqn])
+    copies = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):              # the host buffer the writer allocates: bounded by the chunk
+        t = real_empty(*shape, **kw)
+        copies.append(t.numel())
+        return t
+    monkeypatch.setattr(torch, "empty", empty)
+    _DeviceStandIn.slices = []
+    out = ck.StreamingSafetensorsWriter._write_file(
+        tmp_path / "shard.safetensors", "shard.safetensors", items, planner,
+        lambda name, offset, length: (name, offset, length),
+        lambda index, size_in_bytes, storage_data: (index.fqn, size_in_bytes, storage_data),
+        {"custom": None})
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert copies and max(copies) <= chunk                               # one buffer per shard, a chunk at most
+    n_w = 70 * 33 * 4
+    assert len(_DeviceStandIn.slices) >= -(-n_w // chunk)                # the big shard went over in pieces
+    assert [o[:2] for o in out] == [("w", n_w), ("b", 20), ("e", 0)]
+    with safe_open(str(tmp_path / "shard.safetensors"), "pt") as f:
+        for k, v in values.items():
+            assert torch.equal(f.get_tensor(k), v)
+    from difftrain.train.verification import file_digest, read_sidecar
+    assert read_sidecar(tmp_path / "shard.safetensors") == file_digest(tmp_path / "shard.safetensors")

@@ -163,11 +163,13 @@ def remove_manifest_temps(store: str) -> int:
 # --------------------------------------------------------------------------- bits <-> tensors
 
 def to_bits(x: torch.Tensor, dtype: str) -> np.ndarray:
-    """Latents as raw integer patterns: bf16 -> uint16, fp32 -> uint32 (flattened)."""
+    """Latents as raw integer patterns: bf16 -> uint16, fp32 -> uint32 (flattened). A device tensor (an encoder
+    on a GPU) is moved to the host here, explicitly."""
     import torch
+    x = x.detach().cpu()
     if dtype == "bf16":
-        return x.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    return x.detach().float().contiguous().numpy().view(np.uint32).reshape(-1)
+        return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    return x.float().contiguous().numpy().view(np.uint32).reshape(-1)
 
 
 def from_bits(a: np.ndarray, dtype: str, keep: bool = False) -> torch.Tensor:

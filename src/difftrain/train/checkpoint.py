@@ -201,18 +201,37 @@ class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
                 digest.update(chunk)
             start = 8 + len(head)
             for wi, t, off, n in tensors:
-                if n:
-                    view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                    for i in range(0, n, _CHUNK):       # crc32 and write release the GIL on large buffers
-                        piece = view[i:i + _CHUNK]
-                        digest.update(piece)
-                        f.write(piece)
+                for piece in host_pieces(t, _CHUNK):    # crc32 and write release the GIL on large buffers
+                    digest.update(piece)
+                    f.write(piece)
                 out.append(write_result(index=wi.index, size_in_bytes=n,
                                         storage_data=storage_info(name, start + off, n)))
             f.flush()
             os.fsync(f.fileno())
         write_sidecar(path, digest.result())
         return out
+
+
+def host_pieces(t: Tensor, chunk: int):
+    """``t``'s bytes as host buffers of at most ``chunk`` bytes, in order. A host tensor gives views of its own
+    memory; a device tensor (a blocking save writes the live GPU shards: no stager copied them) is copied over one
+    piece at a time through one reused buffer (pinned where CUDA is), so a shard never needs a second full copy
+    in host memory. Each piece is on the host before it is yielded (a synchronous copy), and is overwritten by
+    the next: the caller uses it before asking for another."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    if not n:
+        return
+    if flat.device.type == "cpu":
+        view = memoryview(flat.numpy())
+        for i in range(0, n, chunk):
+            yield view[i:i + chunk]
+        return
+    host = torch.empty(min(chunk, n), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    for i in range(0, n, chunk):
+        m = min(chunk, n - i)
+        host[:m].copy_(flat[i:i + m])
+        yield memoryview(host[:m].numpy())
 
 
 class _ReusedStager:
