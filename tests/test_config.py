@@ -76,6 +76,8 @@ def test_config_show_json_has_num_params(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["train"]["lr"] == 3e-5
     assert abs(out["num_params"] - 11_901_408_320) < 1e6
+    # FLUX.1-dev as its users sample it: embedded guidance 3.5, every caption padded to 512 tokens and attended.
+    assert out["sample"]["guidance"] == 3.5 and out["text"]["padding"] == "padded"
 
 
 def test_config_show_reports_user_error_in_one_line(capsys):

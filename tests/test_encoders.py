@@ -349,3 +349,27 @@ def test_bucket_geometry_and_store_channels_come_from_the_autoencoders_own_confi
     (bad / "config.json").write_text('{"latent_channels": 4}')
     with pytest.raises(UserError, match="bad/config.json: not an AutoencoderKL config"):
         autoencoder_geometry(tiny_cfg("autoencoder.kind=diffusers", f"autoencoder.path={bad}").autoencoder)
+
+
+@pytest.mark.filterwarnings("error::difftrain.models.text.PromptTooLong")
+def test_the_flux_preset_gives_diffusers_text_tensors(tiny):
+    """The flux-dev preset's text rule ('padded', 512 tokens) built from its config gives, for the same prompts,
+    the tensors diffusers' FluxPipeline.encode_prompt gives FLUX.1-dev (tiny T5 and CLIP stand in)."""
+    diffusers = pytest.importorskip("diffusers")
+    from difftrain.config import load_config, preset_path
+    from difftrain.models import build_text_encoder
+
+    cfg = load_config(preset_path("flux-dev"), [f"text.t5_path={tiny['t5']}", f"text.clip_path={tiny['clip']}",
+                                                "text.dtype=fp32"])
+    assert (cfg.text.padding, cfg.text.max_tokens, cfg.sample.guidance) == ("padded", 512, 3.5)
+    enc = build_text_encoder(cfg)
+    emb = enc(enc.tokenize(PROMPTS))
+    pipe = diffusers.FluxPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None,
+                                  text_encoder=tiny["clip_model"], tokenizer=tiny["clip_tok"],
+                                  text_encoder_2=tiny["t5_model"], tokenizer_2=tiny["t5_tok"], transformer=None)
+    with torch.no_grad():
+        txt, pooled, _ = pipe.encode_prompt(prompt=PROMPTS, prompt_2=PROMPTS, device="cpu",
+                                            max_sequence_length=cfg.text.max_tokens)
+    assert emb.txt_BTD.shape == txt.shape == (len(PROMPTS), 512, 32)
+    assert (emb.txt_BTD - txt).abs().max() <= 1e-5 and (emb.pooled_BP - pooled).abs().max() <= 1e-5
+    assert bool(emb.mask_BT.all())                         # every position attended, as FLUX's DiT sees them

@@ -189,3 +189,30 @@ def test_diffusers_config_rejects_unrepresentable_params():
             diffusers_config(DiTParams(**base, **bad))
     with pytest.raises(ValueError):
         params_from_diffusers_config({**diffusers_config(DiTParams(**base)), "patch_size": 2})
+
+
+def test_the_pipeline_feeds_sample_guidance_as_fluxpipeline_does():
+    """FLUX.1-dev is guidance-distilled: diffusers' FluxPipeline feeds its guidance_scale (3.5 by default) to the
+    transformer's guidance embedding. Our Pipeline, given sample.guidance, gives the same velocity on a tiny FLUX
+    built here; at the old default (1) it would not."""
+    from types import SimpleNamespace
+
+    from difftrain.diffusion.flow import FlowSpec
+    from difftrain.diffusion.pipeline import Pipeline
+    from difftrain.models.text import TextEmbedding
+
+    cfg = CONFIGS[1].values[0]
+    assert cfg["guidance_embeds"]
+    ref = _diffusers_model(cfg, seed=3)
+    ours, _ = _ours_from(ref)
+    x, ids, txt, pooled, t, _ = _inputs(cfg, 2, False, seed=9)
+    emb = TextEmbedding(txt, pooled, torch.ones(txt.shape[:2], dtype=torch.bool))
+    text = SimpleNamespace(padding="padded")
+    B = x.shape[0]
+    flux_pipeline = run_diffusers_flux(ref, x, ids, txt, pooled, t, torch.full([1], 3.5).expand(B))
+    for guidance, same in ((3.5, True), (1.0, False)):
+        pipe = Pipeline(torch.nn.ModuleDict({"dit": ours}), text, None, FlowSpec(prediction="v"), "cpu", None,
+                        guidance=guidance)
+        with torch.no_grad():
+            v = pipe.velocity(x, ids.expand(B, -1, -1), t, emb)
+        assert ((v - flux_pipeline).abs().max().item() <= TOL) is same, guidance

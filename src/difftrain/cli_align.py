@@ -20,6 +20,8 @@ def add_parsers(sub, add_set) -> None:
     p.add_argument("--seed", type=int, default=0, help="noise seeds are drawn from (seed, prompt id, k)")
     p.add_argument("--steps", type=int, default=None, help="sampling steps (default: sample.steps)")
     p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="embedded guidance of a guidance-distilled model (default: sample.guidance; FLUX.1-dev 3.5)")
     p.add_argument("--batch", type=int, default=16, help="images generated together (default 16)")
     p.add_argument("--raw-weights", action="store_true", help="the raw weights instead of the EMA")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -81,7 +83,7 @@ def cmd_candidates(args) -> int:
     clean = False
     try:
         summary = generate(args.checkpoint, args.prompts, args.k, args.out, seed=args.seed, steps=args.steps,
-                           cfg_scale=args.cfg_scale, batch=args.batch, raw_weights=args.raw_weights,
+                           cfg_scale=args.cfg_scale, guidance=args.guidance, batch=args.batch, raw_weights=args.raw_weights,
                            progress=not args.no_progress)
         clean = True
     finally:

@@ -45,6 +45,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's sample.seed)")
     p.add_argument("--steps", type=int, default=None, help="Euler steps (default: sample.steps)")
     p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
+    _guidance_arg(p)
     p.add_argument("--out", default=None, help="output directory (default: RUN/samples/cli)")
     p.add_argument("--raw-weights", action="store_true", help="use the raw weights instead of the EMA")
     _quant_arg(p)
@@ -56,10 +57,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--n", type=int, default=None, help="prompts per task (default: eval.n)")
     p.add_argument("--steps", type=int, default=None, help="Euler steps (default: sample.steps)")
     p.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
+    _guidance_arg(p)
     p.add_argument("--seed", type=int, default=None,
                    help="draw another prompt set and other noise (default: eval.seed and sample.seed)")
     p.add_argument("--grid", default=None, help="also write a PNG grid of the generated samples here")
     _quant_arg(p)
+
+
+def _guidance_arg(p) -> None:
+    p.add_argument("--guidance", type=float, default=None,
+                   help="embedded guidance of a guidance-distilled model (default: sample.guidance; FLUX.1-dev 3.5)")
 
 
 def cmd_export(args) -> int:
@@ -85,7 +92,8 @@ def cmd_sample(args) -> int:
     from difftrain.images import caption_grid, read_image, write_png
     from difftrain.inference import guidance_scale, load_pipeline, request_batch
 
-    pipe, cfg, info = load_pipeline(args.checkpoint, use_ema=not args.raw_weights, quant=args.quant)
+    pipe, cfg, info = load_pipeline(args.checkpoint, use_ema=not args.raw_weights, quant=args.quant,
+                                    guidance=args.guidance)
     edit = read_image(args.edit, cfg.data.image_size) if args.edit else None
     batch = request_batch(pipe, cfg, [args.prompt] * args.num_images, edit, args.frames)
     seed = cfg.sample.seed if args.seed is None else args.seed
@@ -125,7 +133,7 @@ def cmd_eval(args) -> int:
     from difftrain.images import caption_grid
     from difftrain.inference import guidance_scale, load_pipeline
 
-    pipe, cfg, info = load_pipeline(args.checkpoint, quant=args.quant)
+    pipe, cfg, info = load_pipeline(args.checkpoint, quant=args.quant, guidance=args.guidance)
     world_seed, noise_seed = (cfg.eval.seed, cfg.sample.seed) if args.seed is None else (args.seed, args.seed)
     from difftrain.parallel.dist import rank_world
     buckets = [name for name, _, _ in eval_buckets(cfg)]

@@ -33,10 +33,13 @@ def guidance_scale(cfg: Config, requested: float | None) -> float:
 
 
 def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, use_ema: bool = True,
-                  quant: str | None = None) -> tuple[Pipeline, Config, dict]:
+                  quant: str | None = None, guidance: float | None = None) -> tuple[Pipeline, Config, dict]:
     """A ready pipeline from a checkpoint directory (or a run directory, or ``.../checkpoints/latest``),
     with the EMA weights when the run kept them. ``quant`` ("fp8" | "mxfp8" | "nvfp4"): the DiT's block linears
-    quantized for inference (``models.quant``; the model then runs in bf16), described in ``info["quant"]``."""
+    quantized for inference (``models.quant``; the model then runs in bf16), described in ``info["quant"]``.
+    ``guidance``: the embedded guidance of a guidance-distilled model (default: the run's ``sample.guidance``)."""
+    if guidance is not None and not 0 < guidance <= 100:
+        raise UserError(f"--guidance {guidance}: expected a scale in (0, 100] (FLUX.1-dev: 3.5)")
     if quant is not None:
         from difftrain.models.quant import check_format
         check_format(quant)
@@ -83,8 +86,9 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
         info = {**info, "quant": quantize_dit(model["dit"], quant, device)}
         amp = torch.bfloat16                     # around the quantized layers, the model runs in bf16
     _install_attention(cfg, model, device, info, amp)
-    pipe = Pipeline(model, text, ae.to(device), FlowSpec.from_config(cfg.diffusion), device,
-                    amp, sample_shift=(cfg.sample.shift, cfg.sample.shift_value))
+    pipe = Pipeline(model, text, ae.to(device), FlowSpec.from_config(cfg.diffusion), device, amp,
+                    guidance=cfg.sample.guidance if guidance is None else guidance,
+                    sample_shift=(cfg.sample.shift, cfg.sample.shift_value))
     return pipe, cfg, info
 
 

@@ -148,7 +148,7 @@ def _write_png(img: np.ndarray, path: Path) -> None:
 
 
 def generate(checkpoint: str, prompts_path: str, k: int, out: str, *, seed: int = 0, steps: int | None = None,
-             cfg_scale: float | None = None, batch: int = 16, raw_weights: bool = False,
+             cfg_scale: float | None = None, guidance: float | None = None, batch: int = 16, raw_weights: bool = False,
              progress: bool = True) -> dict:
     if k < 1:
         raise UserError(f"--k {k}: expected a number of candidates >= 1")
@@ -161,10 +161,11 @@ def generate(checkpoint: str, prompts_path: str, k: int, out: str, *, seed: int 
     from difftrain.parallel.dist import gather_objects, rank_world
     from difftrain.train.verification import checkpoint_digest
 
-    pipe, cfg, info = load_pipeline(checkpoint, use_ema=not raw_weights)
+    pipe, cfg, info = load_pipeline(checkpoint, use_ema=not raw_weights, guidance=guidance)
     weights = "ema" if not raw_weights and cfg.train.ema_decay > 0 else "model"
     sampler = {"sampler": "euler", "steps": steps or cfg.sample.steps, "cfg_scale": guidance_scale(cfg, cfg_scale),
-               "shift": [cfg.sample.shift, cfg.sample.shift_value], "image_size": cfg.data.image_size}
+               "shift": [cfg.sample.shift, cfg.sample.shift_value], "image_size": cfg.data.image_size,
+               **({"guidance": pipe.guidance} if pipe.dit.params.guidance_embed else {})}
     manifest = {"format": FORMAT, "checkpoint": str(Path(info["path"]).resolve()), "step": int(info.get("step", 0)),
                 "run": Path(info["path"]).parent.parent.name, "digest": checkpoint_digest(info["path"]),
                 "weights": weights, "sampler": sampler, "k": k, "seed": seed,

@@ -257,6 +257,9 @@ class AttentionConfig:
 class SampleConfig:
     steps: int = meta("Euler steps", ge=1, default=20)
     cfg_scale: float = meta("classifier-free guidance scale (1 = off)", ge=0, default=4.0)
+    guidance: float = meta("the guidance scale fed to the guidance embedding of a guidance-distilled model "
+                           "(model.guidance_embed: FLUX.1-dev is sampled at 3.5); other models have no such input "
+                           "and ignore it", gt=0, le=100, default=1.0)
     shift: str = meta("sampling schedule shift ('train' = same as diffusion.shift; 'resolution' = FLUX's mu from the "
                       "image token count)",
                       choices=("train", "none", "fixed", "resolution"), default="train")

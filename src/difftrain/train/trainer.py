@@ -549,6 +549,7 @@ class Trainer:
     # --- outputs ----------------------------------------------------------------------------------
     def pipeline(self) -> Pipeline:
         return Pipeline(self.model, self.text_encoder, self.autoencoder, self.flow, self.device, self.amp,
+                        guidance=self.cfg.sample.guidance,
                         sample_shift=(self.cfg.sample.shift, self.cfg.sample.shift_value))
 
     def export(self) -> Path:
