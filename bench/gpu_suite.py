@@ -36,9 +36,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -183,6 +185,45 @@ def trainer_run(steps: int, warmup: int, smoke: bool) -> dict:
                 out["host_syncs_in_a_step"] = "not run (no CUDA device)"
         finally:
             tr.close()
+    return out
+
+
+def blocking_save(smoke: bool) -> dict:
+    """The save path only a GPU takes: ``difftrain train`` with ``train.async_checkpoint = false`` (no stager: the
+    writer gets the live device shards and must copy them to the host itself), then ``difftrain sample`` loading
+    that checkpoint in a fresh process, then the same run resumed for two more steps. Each is its own process, as
+    a job would run them."""
+    import subprocess
+    import tempfile
+
+    steps = 2 if smoke else 6
+    sets = ["--set", "train.async_checkpoint=false", "--set", f"train.checkpoint_every={steps // 2}",
+            "--set", "train.threads=0", "--set", "train.sample_every=0"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as run:
+        def cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "difftrain", *args], capture_output=True, text=True,
+                                  timeout=timeout, env=env)
+        t0 = time.perf_counter()
+        r = cli("train", "shapes-tiny", "--run-dir", run, "--set", f"train.steps={steps}", *sets)
+        out["blocking_save_s"] = round(time.perf_counter() - t0, 1)
+        ckpts = sorted(p.name for p in (Path(run) / "checkpoints").glob("step_*") if p.is_dir())
+        out["blocking_save_ok"] = r.returncode == 0 and f"step_{steps}" in ckpts
+        if not out["blocking_save_ok"]:
+            out["blocking_save_log"] = (r.stderr or r.stdout)[-800:]
+            return out
+        r = cli("sample", run, "--prompt", "a large red circle in the top left", "--num-images", "1", "--steps", "2")
+        out["blocking_save_loads_in_a_fresh_process"] = r.returncode == 0
+        if r.returncode:
+            out["blocking_save_load_log"] = r.stderr[-800:]
+        r = cli("train", "shapes-tiny", "--run-dir", run, "--set", f"train.steps={steps + 2}", *sets)
+        events = (Path(run) / "events.jsonl").read_text().splitlines() if (Path(run) / "events.jsonl").exists() else []
+        resumed = (any(json.loads(e).get("kind") == "resume" and json.loads(e).get("step") == steps for e in events)
+                   and (Path(run) / "checkpoints" / f"step_{steps + 2}").is_dir())
+        out["blocking_save_resumes"] = r.returncode == 0 and resumed
+        if not out["blocking_save_resumes"]:
+            out["blocking_save_resume_log"] = r.stderr[-800:]
     return out
 
 
@@ -344,6 +385,7 @@ def main() -> None:
         out.update(attention_table(args.smoke))
     except Exception as e:
         out["error_attention"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
+    _guarded(out, "blocking_save", blocking_save, args.smoke)
     for key, fn, fargs in (("fp8_train", fp8_train, (bf16_run, args.batch, args.steps, args.warmup, args.smoke)),
                            ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
                            ("fp8_encoder", fp8_encoder, (args.smoke,))):

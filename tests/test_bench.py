@@ -32,6 +32,9 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
     assert result["quant_rel_error_fp8"] < result["quant_rel_error_nvfp4"]
     assert 0.9 < result["fp8_encoder_cosine"] <= 1 and 0 < result["fp8_encoder_memory_saved"] < 1
     assert set(result["fp8_encoder_ms_per_batch"]) == {"1", "8", "32"}
+    # A blocking save (no stager), loaded by a fresh process and resumed: on a GPU, the writer's own device copy.
+    assert result["blocking_save_ok"] and result["blocking_save_loads_in_a_fresh_process"], result
+    assert result["blocking_save_resumes"], result
 
 
 def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):

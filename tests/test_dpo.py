@@ -83,7 +83,10 @@ def test_candidates_manifest_seeds_no_metadata_and_resume(world):
     kf = next(r for r in rows if r["task"] == "keyframes")
     assert len(kf["frames"]) == 2 and all((cands / f).is_file() for f in kf["frames"])
     edit = next(r for r in rows if r["task"] == "edit")
-    assert edit["source"].endswith("source.png")
+    # the edit's source copied into the folder (what the rating app may serve), pixels unchanged
+    assert edit["source"].startswith("sources/") and (cands / edit["source"]).resolve().is_relative_to(cands.resolve())
+    with Image.open(cands / edit["source"]) as copy, Image.open(world / "source.png") as original:
+        assert copy.format == "PNG" and np.array_equal(np.asarray(copy), np.asarray(original.convert("RGB")))
     with Image.open(cands / rows[0]["image"]) as im:
         assert im.format == "PNG" and not getattr(im, "text", {}) and set(im.info) <= {"dpi"}
     # a run killed after 20 candidates: the rest are made on rerun, the same images as in one go
@@ -134,7 +137,8 @@ def test_pairs_by_majority_with_agreement_split_by_prompt(world):
         assert (world / "pairs" / r["winner_image"]).is_file()
     assert all(len(s) == 1 for s in splits.values()) and out["validation"] > 0
     edits = [r for r in rows if r["task"] == "edit"]
-    assert len(edits) == 6 and all(r["source_image"].endswith("source.png") for r in edits)
+    assert len(edits) == 6 and all(r["source_image"].startswith("../c4/sources/") for r in edits)
+    assert all((world / "pairs" / r["source_image"]).is_file() for r in edits)
     bw = json.loads(_cli(["pairs", "rankings.jsonl", "--candidates", "c4", "--out", "pairs/bw.parquet", "--mode",
                           "best-worst"], world).stdout.splitlines()[-1])
     assert bw["pairs"] == 6
