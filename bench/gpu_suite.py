@@ -208,8 +208,10 @@ def blocking_save(smoke: bool) -> dict:
         t0 = time.perf_counter()
         r = cli("train", "shapes-tiny", "--run-dir", run, "--set", f"train.steps={steps}", *sets)
         out["blocking_save_s"] = round(time.perf_counter() - t0, 1)
-        ckpts = sorted(p.name for p in (Path(run) / "checkpoints").glob("step_*") if p.is_dir())
-        out["blocking_save_ok"] = r.returncode == 0 and f"step_{steps}" in ckpts
+        def saved(step: int) -> bool:
+            return any(int(p.name.split("_")[1]) == step for p in (Path(run) / "checkpoints").glob("step_*")
+                       if p.is_dir() and p.name.split("_")[1].isdigit())
+        out["blocking_save_ok"] = r.returncode == 0 and saved(steps)
         if not out["blocking_save_ok"]:
             out["blocking_save_log"] = (r.stderr or r.stdout)[-800:]
             return out
@@ -220,7 +222,7 @@ def blocking_save(smoke: bool) -> dict:
         r = cli("train", "shapes-tiny", "--run-dir", run, "--set", f"train.steps={steps + 2}", *sets)
         events = (Path(run) / "events.jsonl").read_text().splitlines() if (Path(run) / "events.jsonl").exists() else []
         resumed = (any(json.loads(e).get("kind") == "resume" and json.loads(e).get("step") == steps for e in events)
-                   and (Path(run) / "checkpoints" / f"step_{steps + 2}").is_dir())
+                   and saved(steps + 2))
         out["blocking_save_resumes"] = r.returncode == 0 and resumed
         if not out["blocking_save_resumes"]:
             out["blocking_save_resume_log"] = r.stderr[-800:]
