@@ -128,6 +128,13 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
             return None, JSONResponse({"error": "CSRF token missing or wrong"}, status_code=403)
         return p, None
 
+    def posted_form(request: Request, p: auth.Principal, fields: dict[str, int]):
+        """(the fields of a page's form, None), or (.., the refusal) when its CSRF field is missing or wrong."""
+        form = inputs.form(body(request), request.headers.get("content-type"), {"csrf": 64, **fields})
+        if not p.csrf_ok(form["csrf"]):
+            return form, Response("CSRF token missing or wrong", status_code=403)
+        return form, None
+
     # ---- sign in / out ------------------------------------------------------------------------------------
     @app.get("/login")
     @on_route_thread(PAGES)
@@ -174,9 +181,9 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         p, refused = gate(request, api=False)
         if refused:
             return refused
-        form = inputs.form(body(request), request.headers.get("content-type"), {"csrf": 64})
-        if not p.csrf_ok(form["csrf"]):
-            return Response("CSRF token missing or wrong", status_code=403)
+        _, refused = posted_form(request, p, {})
+        if refused:
+            return refused
         auth.logout(db, request.cookies.get(COOKIE, ""))
         r = RedirectResponse("/login", status_code=303)
         r.delete_cookie(COOKIE)
@@ -296,9 +303,9 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         p, refused = gate(request, api=False, admin=True)
         if refused:
             return refused
-        form = inputs.form(body(request), request.headers.get("content-type"), {"csrf": 64, "name": 64})
-        if not p.csrf_ok(form["csrf"]):
-            return Response("CSRF token missing or wrong", status_code=403)
+        form, refused = posted_form(request, p, {"name": 64})
+        if refused:
+            return refused
         try:
             auth.unlock(db, form["name"])
         except RateError as e:
