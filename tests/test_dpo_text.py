@@ -55,6 +55,7 @@ def test_dpo_with_frozen_text_encoders_encodes_each_prompt_once_and_never_runs_t
                         f"dpo.init={tmp_path / 'base'}", f"dpo.pairs={pairs}", "dpo.beta=200",
                         "data.latent_dtype=fp32", "train.precision=fp32"))
     tr = build_dpo_trainer(cfg, tmp_path / "dpo")
+    assert not tr.text_encoder.built       # built to encode the pairs, then released: the cache feeds training
 
     # The cache: every distinct prompt's states at its true length under the rule, as the encoder gives them.
     enc = EncodedPairs.load_or_encode(pairs, None, {**encoder_identity(cfg), "latent_dtype": "fp32"})

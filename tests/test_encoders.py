@@ -373,3 +373,42 @@ def test_the_flux_preset_gives_diffusers_text_tensors(tiny):
     assert emb.txt_BTD.shape == txt.shape == (len(PROMPTS), 512, 32)
     assert (emb.txt_BTD - txt).abs().max() <= 1e-5 and (emb.pooled_BP - pooled).abs().max() <= 1e-5
     assert bool(emb.mask_BT.all())                         # every position attended, as FLUX's DiT sees them
+
+
+@pytest.mark.parametrize("which", ["both", "clip"])
+def test_lazy_encoders_know_their_widths_without_weights_and_build_on_first_use(tiny, which):
+    """``LazyHFTextEncoder`` (what a trainer holds): widths, text rule and checkpoint record come from config.json
+    alone; the weights are read the first time something tokenizes or encodes, and then give exactly what the
+    eager encoder gives; ``release`` drops them and the next use builds them again."""
+    from difftrain.models.hf_text import LazyHFTextEncoder, resident_bytes
+
+    t5 = tiny["t5"] if which == "both" else ""
+    eager = HFTextEncoder.from_paths(t5, tiny["clip"], max_tokens=MAX, dtype="fp32", padding="masked")
+    built = []
+    lazy = LazyHFTextEncoder(t5, tiny["clip"], MAX, "fp32", "cpu", "masked", on_build=built.append)
+    assert not lazy.built and not built and list(lazy.parameters()) == []
+    assert (lazy.dim, lazy.pooled_dim, lazy.max_tokens, lazy.trainable) == (eager.dim, eager.pooled_dim,
+                                                                            eager.max_tokens, False)
+    assert lazy.extra_state() == eager.extra_state()
+    assert not lazy.built                                  # none of the above read a weight
+    tokens = lazy.tokenize(PROMPTS)
+    assert lazy.built and len(built) == 1 and built[0] is lazy.encoder()
+    for k, v in eager.tokenize(PROMPTS).items():
+        assert torch.equal(tokens[k], v)
+    got, want = lazy(tokens), eager(tokens)
+    assert torch.equal(got.txt_BTD, want.txt_BTD) and torch.equal(got.pooled_BP, want.pooled_BP)
+    assert resident_bytes(lazy.encoder()) == sum(p.numel() * 4 for p in eager.parameters()) + sum(
+        b.numel() * b.element_size() for b in eager.buffers())
+    lazy.release()
+    assert not lazy.built and lazy.dim == eager.dim
+    assert torch.equal(lazy(tokens).pooled_BP, want.pooled_BP) and len(built) == 2
+
+
+def test_lazy_encoders_refuse_a_wrong_folder_at_construction(tiny, tmp_path):
+    """A wrong path fails when the run starts (config.json is read then), not at the first preview hours later."""
+    from difftrain.models.hf_text import LazyHFTextEncoder
+
+    with pytest.raises(UserError, match=r"text.t5_path = .*no config.json there"):
+        LazyHFTextEncoder(str(tmp_path), "", MAX)
+    with pytest.raises(UserError, match=r"text.t5_path = .*holds a 'clip_text_model' model"):
+        LazyHFTextEncoder(tiny["clip"], "", MAX)

@@ -255,11 +255,13 @@ def test_frozen_text_encoders_store_embeddings_the_trainer_reads(ray_local, expo
     assert batch.text.txt_BTD.shape[:2] == batch.text.mask_BT.shape
     loader.close()
     trainer = build_trainer(cfg, tmp_path / "run")
+    assert not trainer.text_encoder.built, "the frozen encoders were built for a run that never encodes"
     calls = []
     original = trainer.text_encoder.forward
     trainer.text_encoder.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
     trainer.fit()
     assert trainer.step == 3 and not calls, "the trainer ran the frozen encoders instead of reading the store"
+    assert not trainer.text_encoder.built                 # no preview asked for them: never built, never read
     trainer.close()
 
 

@@ -34,22 +34,41 @@ def _resolve_dtype(dtype: str) -> torch.dtype:
     raise UserError(f"text.dtype = {dtype!r}: expected 'auto', 'bf16' or 'fp32'")
 
 
-def _load(kind: str, path: str, dtype: torch.dtype):
-    """(model, tokenizer) from a model folder or a pipeline folder; UserError on anything wrong."""
-    from transformers import AutoConfig, AutoTokenizer, CLIPTextModel, T5EncoderModel
-
-    key = f"text.{kind}_path"
+def _folders(kind: str, path: str) -> tuple[Path, Path, str]:
+    """(model folder, tokenizer folder, what is expected) of a model folder or a pipeline folder."""
     p = Path(path)
     model_sub, tok_sub = _PIPELINE_DIRS[kind]
     model_dir, tok_dir = (p / model_sub, p / tok_sub) if (p / model_sub / "config.json").is_file() else (p, p)
     what = (f"expected a transformers {'T5' if kind == 't5' else 'CLIP text'} model folder "
             f"(config.json, weights, tokenizer files) or a pipeline folder with {model_sub}/ and {tok_sub}/")
     if not (model_dir / "config.json").is_file():
-        raise UserError(f"{key} = {path!r}: no config.json there; {what}")
+        raise UserError(f"text.{kind}_path = {path!r}: no config.json there; {what}")
+    return model_dir, tok_dir, what
+
+
+def _config(kind: str, path: str):
+    """The model's transformers config (config.json only: no weights read); UserError on anything wrong."""
+    from transformers import AutoConfig
+
+    model_dir, _, what = _folders(kind, path)
     try:
-        model_type = AutoConfig.from_pretrained(model_dir, local_files_only=True).model_type
-        if model_type not in _KINDS[kind]:
-            raise UserError(f"{key} = {path!r}: holds a {model_type!r} model; {what}")
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"text.{kind}_path = {path!r}: cannot load ({msg}); {what}") from None
+    if config.model_type not in _KINDS[kind]:
+        raise UserError(f"text.{kind}_path = {path!r}: holds a {config.model_type!r} model; {what}")
+    return getattr(config, "text_config", config) if kind == "clip" and config.model_type == "clip" else config
+
+
+def _load(kind: str, path: str, dtype: torch.dtype):
+    """(model, tokenizer) from a model folder or a pipeline folder; UserError on anything wrong."""
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    key = f"text.{kind}_path"
+    model_dir, tok_dir, what = _folders(kind, path)
+    _config(kind, path)
+    try:
         cls = T5EncoderModel if kind == "t5" else CLIPTextModel
         # dtype at load time avoids a transient fp32 copy of a 4.7B-parameter T5-XXL.
         model = cls.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
@@ -185,3 +204,90 @@ class HFTextEncoder(nn.Module):
         """What a checkpoint needs to rebuild this encoder (the weights stay in their own folders)."""
         return {"kind": "hf", "t5_path": self.paths[0], "clip_path": self.paths[1], "max_tokens": self.max_tokens,
                 "padding": self.padding}
+
+
+class LazyHFTextEncoder(nn.Module):
+    """The frozen encoders of ``HFTextEncoder``, built (weights read, moved to ``device``, quantized) the first
+    time something encodes or tokenizes with them, not before. A run fed by a store that holds their states
+    never needs them while it trains: only previews, eval and candidates do, so they do not take GPU memory
+    (T5-XXL + CLIP-L: 9.5 GB in bf16) or a restart's read of their weights on ranks that never encode.
+
+    What a trainer needs without them (widths, text rule, a checkpoint's record) comes from the models'
+    config.json files; every other attribute is the built encoder's."""
+
+    trainable = False
+
+    def __init__(self, t5_path: str, clip_path: str, max_tokens: int = 512, dtype: str = "auto",
+                 device: torch.device | str = "cpu", padding: str = "masked", precision: str = "native",
+                 on_build=None):
+        super().__init__()
+        if not (t5_path or clip_path):
+            raise UserError("text.kind = 'hf' needs text.t5_path and/or text.clip_path")
+        if padding not in PADDING:
+            raise UserError(f"text.padding = {padding!r}: expected one of {PADDING}")
+        t5 = _config("t5", t5_path) if t5_path else None
+        clip = _config("clip", clip_path) if clip_path else None
+        self.paths, self.padding = (t5_path, clip_path), padding
+        self.dim = t5.d_model if t5 is not None else clip.hidden_size
+        self.pooled_dim = clip.hidden_size if clip is not None else t5.d_model
+        self.max_tokens = max_tokens if t5 is not None else min(max_tokens, clip.max_position_embeddings)
+        self._args = (t5_path, clip_path, max_tokens, dtype, device, padding, precision)
+        self._on_build = on_build
+        self._built: list[HFTextEncoder] = []     # a list: not registered as a submodule until built
+
+    @property
+    def built(self) -> bool:
+        return bool(self._built)
+
+    def encoder(self) -> HFTextEncoder:
+        """The encoders, built on the first call."""
+        if not self._built:
+            t5_path, clip_path, max_tokens, dtype, device, padding, precision = self._args
+            enc = HFTextEncoder.from_paths(t5_path, clip_path, max_tokens, dtype, device=device, padding=padding,
+                                           precision=precision)
+            self._built.append(enc)
+            if self._on_build is not None:
+                self._on_build(enc)
+        return self._built[0]
+
+    def tokenize(self, prompts: list[str], length: int | None = None) -> dict[str, Tensor]:
+        return self.encoder().tokenize(prompts, length)
+
+    def forward(self, tokens: dict[str, Tensor]) -> TextEmbedding:
+        return self.encoder()(tokens)
+
+    def release(self) -> None:
+        """Drop the built encoders (their GPU memory goes back to the allocator); the next use builds them again."""
+        if self._built:
+            device = next(self._built[0].parameters()).device
+            self._built.clear()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def extra_state(self) -> dict:
+        t5_path, clip_path = self.paths
+        return {"kind": "hf", "t5_path": t5_path, "clip_path": clip_path, "max_tokens": self.max_tokens,
+                "padding": self.padding}
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return getattr(self.encoder(), name)
+
+
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (quantized weights at their stored size)."""
+    seen, n = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            inner = getattr(t, "__tensor_flatten__", None)
+            if inner is not None:        # a torchao tensor subclass: its stored parts
+                names, _ = t.__tensor_flatten__()
+                n += sum(getattr(t, a).numel() * getattr(t, a).element_size() for a in names)
+            else:
+                n += t.numel() * t.element_size()
+    return n

@@ -31,6 +31,9 @@ from difftrain.errors import UserError
 T5_XXL_ENCODER_PARAMS = 4_762_310_656    # frozen encoders of the FLUX.1 checkpoints, counted on the meta device
 CLIP_L_TEXT_PARAMS = 123_060_480
 FLUX_VAE_PARAMS = 83_819_683
+# T5-XXL's linears that text.precision = 'fp8' quantizes: 24 blocks of q, k, v, o (4096 x 4096) and wi_0, wi_1
+# (4096 x 10240); the FFN output projections wo (hf_text.KEEP_FP8), embeddings and norms stay in text.dtype.
+T5_XXL_FP8_PARAMS = 24 * (4 * 4096 * 4096 + 2 * 4096 * 10240)
 
 
 @dataclass(frozen=True)
@@ -138,11 +141,31 @@ def bucket_shapes(cfg: Config) -> list[tuple[str, int, int, object, int]]:
     return out
 
 
-def frozen_encoder_bytes(cfg: Config, device: str) -> int:
-    """The frozen text encoders ('hf': T5-XXL + CLIP-L) and VAE ('diffusers') resident for online encoding."""
-    n = (T5_XXL_ENCODER_PARAMS + CLIP_L_TEXT_PARAMS if cfg.text.kind == "hf" else 0)
-    n += FLUX_VAE_PARAMS if cfg.autoencoder.kind == "diffusers" else 0
-    return n * (4 if cfg.text.dtype == "fp32" or (device == "cpu" and cfg.text.dtype == "auto") else 2)
+def text_encoders_resident(cfg: Config) -> bool:
+    """Whether the frozen text encoders ('hf') sit on the GPU while the run trains. They are built on first use
+    (``LazyHFTextEncoder``): a run fed by the shapes source encodes every batch; a store (or a DPO pairs cache) holds
+    their states, so they are built only for previews (``train.sample_every`` > 0: from the first preview on) and
+    for the end-of-run sample, after the last step."""
+    if cfg.text.kind != "hf":
+        return False
+    fed_states = cfg.data.source == "store" or bool(cfg.dpo.pairs)
+    return not fed_states or cfg.train.sample_every > 0
+
+
+def frozen_encoder_bytes(cfg: Config, device: str, text: bool | None = None) -> int:
+    """The frozen text encoders ('hf': T5-XXL + CLIP-L; ``text`` None: when ``text_encoders_resident``) and VAE
+    ('diffusers', built with the run) resident while it trains. ``text.precision = 'fp8'`` stores T5's
+    quantized linears (all but the FFN output projections ``wo``) in one byte a weight."""
+    width = 4 if cfg.text.dtype == "fp32" or (device == "cpu" and cfg.text.dtype == "auto") else 2
+    n = 0
+    if cfg.text.kind == "hf" and (text_encoders_resident(cfg) if text is None else text):
+        fp8 = T5_XXL_FP8_PARAMS if cfg.text.precision == "fp8" and cfg.text.t5_path else 0
+        t5 = T5_XXL_ENCODER_PARAMS if cfg.text.t5_path or not cfg.text.clip_path else 0
+        clip = CLIP_L_TEXT_PARAMS if cfg.text.clip_path or not cfg.text.t5_path else 0
+        n += (t5 - fp8 + clip) * width + fp8
+    if cfg.autoencoder.kind == "diffusers":
+        n += FLUX_VAE_PARAMS * width
+    return n
 
 
 # --- activations -------------------------------------------------------------------------------------------------

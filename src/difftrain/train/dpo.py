@@ -113,6 +113,8 @@ class PairsSource:
                 raise UserError(f"dpo.pairs = {self.cfg.dpo.pairs!r}: rank 0 could not encode the pairs (its error "
                                 "says why)")
             pairs = EncodedPairs.load_or_encode(self.cfg.dpo.pairs, autoencoder, settings, frozen)
+        if frozen is not None and hasattr(frozen, "release"):    # the cache holds their states: not needed to train
+            frozen.release()
         tokenize = None if frozen is not None else text_encoder.tokenize     # frozen: the cached states instead
         return PairsLoader(pairs, tokenize, self.cfg.train.global_batch, self.cfg.train.micro_batch, rank, num_ranks,
                            self.cfg.run.seed)

@@ -124,7 +124,9 @@ class Trainer:
         vocab = info.get("text_encoder", {}).get("vocabulary") if info else None
         if vocab is None and cfg.text.kind == "words":
             vocab = source.vocabulary()
-        self.text_encoder = build_text_encoder(cfg, vocab, self.device)
+        # Frozen encoders are built where something first encodes with them: never while a store that holds
+        # their states feeds training (previews, eval and candidates build them when they run).
+        self.text_encoder = build_text_encoder(cfg, vocab, self.device, lazy=True, on_build=self._encoders_built)
         self.model = self._build_model(found is None)
         self.dit = self.model["dit"]
         from difftrain.parallel.tune import install as install_attention
@@ -160,6 +162,14 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
             (self.run_dir / REQUEUE_MARKER).unlink(missing_ok=True)   # this (re)start answers a requeue
+
+    def _encoders_built(self, encoder) -> None:
+        from difftrain.models.hf_text import resident_bytes
+
+        size = resident_bytes(encoder)
+        log.info("frozen text encoders built on %s for their first use: %.2f GiB", self.device, size / 2**30)
+        self.metrics.event("encoders_built", getattr(self, "step", 0), rank=self.env.rank, bytes=size,
+                           device=str(self.device))
 
     @property
     def total_steps(self) -> int:
