@@ -225,3 +225,73 @@ def test_torchrun_checkpoint_on_two_ranks_resumes_on_one_and_four(reference, tmp
         assert sorted(resumed) == list(range(11, 21)), world
         for s in range(11, 21):
             assert resumed[s] == pytest.approx(straight[s], rel=1e-4), (world, s)
+
+
+def _share_worker(rank: int, world: int, port: int, out: str) -> None:
+    """HSDP (2 replicas x 2 shards): an async save at step 1, the blocking end-of-run save at step 2. Records per
+    rank what each save staged, what its writer wrote, and the full state after the run."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from difftrain.parallel.dist import init_distributed
+    from difftrain.train import build_trainer
+    from difftrain.train.checkpoint import StreamingSafetensorsWriter, tensor_bytes
+
+    written = []
+    original = StreamingSafetensorsWriter.write_data
+
+    def write_data(self, plan, planner):
+        fut = original(self, plan, planner)
+        written.append(self.bytes_written)
+        return fut
+
+    StreamingSafetensorsWriter.write_data = write_data
+    try:
+        cfg = load_config(None, BASE + ["train.steps=2", "train.checkpoint_every=1", "train.async_checkpoint=true",
+                                        "parallel.dp_replicate=2", "parallel.dp_shard=2"])
+        tr = build_trainer(cfg, Path(out) / "run", env=init_distributed(cfg))
+        tr.fit()
+        whole = tensor_bytes(tr.checkpointer._gather(tr.model, tr.optimizer, tr.ema)[0])
+        full = {k: _full(v.detach()).clone() for k, v in tr.model.state_dict().items()}
+        result = {"written": written, "staged": tr.checkpointer._stager_obj.staged_bytes,
+                  "rank_bytes": [r.rank_bytes for r in tr.checkpointer.completed], "whole": whole,
+                  "full": full if rank == 0 else None}
+        torch.save(result, Path(out) / f"share_{rank}.pt")
+    finally:
+        StreamingSafetensorsWriter.write_data = original
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_hsdp_ranks_stage_only_what_their_save_plan_writes_and_the_checkpoint_resumes_whole(tmp_path):
+    """Every rank of an HSDP replica group holds the same shard; DCP writes it once, so only its writer copies it
+    to host memory. Per rank: bytes staged (async) = bytes its writer wrote = its share; the shares add up to the
+    checkpoint (nothing written twice, nothing missing: a 1-process resume gets the 4-rank state back), each is
+    about half of the rank's state (2 replicas), and writing is spread over both replicas."""
+    mp.spawn(_share_worker, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True)
+    ranks = [torch.load(tmp_path / f"share_{r}.pt") for r in range(4)]
+    step1 = tmp_path / "run" / "checkpoints" / "step_00000001"
+    data = sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little")
+               for f in step1.glob("*.safetensors"))
+    for r, got in enumerate(ranks):
+        assert got["written"][0] == got["staged"] == got["rank_bytes"][0], (r, got)
+        assert got["written"][1] == got["rank_bytes"][1] == got["rank_bytes"][0]       # the blocking save too
+        assert 0.35 * got["whole"] < got["rank_bytes"][0] < 0.65 * got["whole"], (r, got)
+    assert sum(got["written"][0] for got in ranks) == data
+    # plan's 'stage' column: the largest rank's share, from the inventory alone
+    from difftrain.models import config_dit_params
+    from difftrain.parallel.memory import inventory
+    from difftrain.parallel.planner import Strategy, staging_bytes
+    from difftrain.sources import vocabulary_for
+
+    cfg = load_config(None, BASE + ["train.steps=2"])
+    hsdp = Strategy("hsdp", "hsdp", 2, 2, 1, "none", False)
+    planned = staging_bytes(inventory(config_dit_params(cfg), cfg, vocabulary_for(cfg)), hsdp, 4, True, True)
+    largest = max(got["rank_bytes"][0] for got in ranks)
+    assert abs(planned - largest) <= 0.05 * largest, (planned, [got["rank_bytes"][0] for got in ranks])
+    from difftrain.train import build_trainer
+
+    tr = build_trainer(cfg, tmp_path / "run")               # resumes the step-2 checkpoint on one process
+    assert tr.step == 2
+    for k, v in ranks[0]["full"].items():
+        assert torch.equal(tr.model.state_dict()[k], v), k

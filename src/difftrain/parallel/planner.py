@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from difftrain.config.schema import Config
 from difftrain.errors import UserError
-from difftrain.parallel.memory import (Inventory, block_activation_bytes, estimate_single_gpu, frozen_encoder_bytes,
-                                       bucket_shapes, inventory, parse_ac, rank_bytes, task_shapes)
+from difftrain.parallel.memory import (Inventory, block_activation_bytes, bucket_shapes, estimate_single_gpu,
+                                       frozen_encoder_bytes, inventory, parse_ac, rank_bytes, task_shapes,
+                                       text_encoders_resident)
 
 __all__ = ["Assumptions", "Plan", "Strategy", "block_activation_bytes", "estimate_single_gpu", "plan",
            "task_shapes"]
@@ -35,7 +36,7 @@ class Assumptions:
     host_adam_bytes_per_s: float = 10e9  # host memory bandwidth per GPU for AdamW on the CPU (offload)
     cuda_context_bytes: int = 3 * GiB // 2   # CUDA context, NCCL and cuBLAS workspaces: outside the allocator
     allocator_headroom: float = 0.08     # caching-allocator fragmentation
-    encoders_on_gpu: bool = True         # frozen text encoders + VAE resident in bf16 for online encoding
+    encoders_on_gpu: bool = True         # frozen encoders resident where the run encodes (memory.frozen_encoder_bytes)
     rms_norm_fused: bool = True          # CUDA's fused rms_norm saves its input only (CPU's composite also its output)
 
 
@@ -55,6 +56,7 @@ class Strategy:
     problems: list[str] = field(default_factory=list)
     per_gpu_bytes: dict = field(default_factory=dict)
     host_bytes: int = 0
+    staging_bytes: int = 0      # host memory (pinned on GPUs) one rank's async checkpoint stages: its save share
     step_time_cost: dict = field(default_factory=dict)
     alternative: dict | None = None     # the other grad_sync: fits, total, step_s
     recommended: bool = False
@@ -73,7 +75,7 @@ class Strategy:
 
     def to_json(self) -> dict:
         keys = ("name", "fits", "recommended", "base", "ac", "cpu_offload", "grad_sync", "settings", "problems",
-                "per_gpu_bytes", "host_bytes", "step_time_cost", "alternative", "worst_bucket")
+                "per_gpu_bytes", "host_bytes", "staging_bytes", "step_time_cost", "alternative", "worst_bucket")
         return {k: copy.copy(getattr(self, k)) for k in keys}
 
 
@@ -103,6 +105,21 @@ class _Ctx:
     def largest(self) -> tuple[str, int, int]:
         name = max(self.tasks, key=lambda k: sum(self.tasks[k][:2]))
         return name, self.tasks[name][0], self.tasks[name][1]
+
+
+def staging_bytes(m: Inventory, s: Strategy, gpus: int, ema: bool, async_save: bool) -> int:
+    """Host bytes one rank's checkpoint staging holds. Async: its save share (``checkpoint.save_share``): the
+    FSDP shard's fp32 params, AdamW moments (and step counters) and EMA, divided over the dp_replicate replicas
+    that hold the same shard, and the replicated text encoder's state divided over every rank. Blocking: the one
+    reused piece each write goes through (``checkpoint.host_pieces``)."""
+    if not async_save:
+        from difftrain.train.verification import CHUNK
+
+        return CHUNK
+    W = s.dp_shard * s.cp
+    per = 4 + 8 + (4 if ema else 0)
+    everywhere = 4 * m.tensors + per * m.text_numel + 4 * m.text_tensors     # plain tensors every rank holds
+    return per * m.shard(W) // s.dp_replicate + everywhere // gpus
 
 
 def _evaluate(s: Strategy, cx: _Ctx, micro_override: int | None = None, timing: bool = True) -> Strategy:
@@ -140,6 +157,7 @@ def _evaluate(s: Strategy, cx: _Ctx, micro_override: int | None = None, timing: 
         if worst is not None:
             b, s.worst_bucket = worst[0], worst[1]
     s.host_bytes, recomputed = b.pop("host"), b.pop("recomputed")
+    s.staging_bytes = staging_bytes(cx.model, s, cx.gpus, cfg.train.ema_decay > 0, cfg.train.async_checkpoint)
     s.per_gpu_bytes = b
     s.fits = b["total"] <= cx.usable and not s.problems
     if timing:
@@ -299,7 +317,8 @@ class Plan:
         lines = [f"{c['gpus']} GPU(s) x {c['gpu_mem_gb']:g} GB ({c['usable_bytes'] / GiB:.1f} GiB usable), "
                  f"{c['nodes']} node(s); largest task {c['largest_task']['name']} ({c['largest_task']['tokens']} "
                  f"tokens), micro-batch {c['micro_batch']}; GiB per GPU",
-                 f"  {'strategy':30} fits sync  " + " ".join(f"{k:>7}" for k in cols.values()) + "  step_s   extra"]
+                 f"  {'strategy':30} fits sync  " + " ".join(f"{k:>7}" for k in cols.values())
+                 + "  step_s   extra   stage"]
         extra = self.configured is not None and self.configured not in self.strategies
         rows = self.strategies + ([self.configured] if extra else [])
         for s in rows:
@@ -308,10 +327,11 @@ class Plan:
             sync = s.grad_sync if b["grad_accum"] > 1 else "-"
             lines.append(f"{mark} {s.name:30} {'yes' if s.fits else 'no ':4} {sync:5} "
                          + " ".join(f"{b[k] / GiB:7.1f}" for k in cols)
-                         + f" {t['step_s']:7.2f} {100 * t['extra_fraction']:+6.0f}%")
+                         + f" {t['step_s']:7.2f} {100 * t['extra_fraction']:+6.0f}% {s.staging_bytes / GiB:7.1f}")
         lines.append("* recommended" + (", c = the config's [parallel] settings" if self.configured else "")
                      + "; extra = recomputation + exposed communication + offload over compute; sync = "
-                     "parallel.grad_sync with accumulation ('last': accgrad = the DiT's unsharded fp32 gradients).")
+                     "parallel.grad_sync with accumulation ('last': accgrad = the DiT's unsharded fp32 gradients); "
+                     "stage = host GiB (pinned) a rank's async checkpoint stages: its share of the state.")
         return "\n".join(lines + [self.message] + [f"- {n}" for n in self.notes])
 
 
@@ -394,7 +414,7 @@ def _suggest(cx: _Ctx, strategies: list[Strategy]) -> tuple[list[dict], str]:
                 break
         if out[-1]["kind"] == "micro_batch":
             break
-    if cx.a.encoders_on_gpu and frozen_encoder_bytes(cx.cfg, cx.device):
+    if cx.a.encoders_on_gpu and frozen_encoder_bytes(cx.cfg, cx.device) and not cx.cfg.data.source == "store":
         sub = dataclasses.replace(cx, a=dataclasses.replace(a, encoders_on_gpu=False))
         fit = [s.name for s in _strategies(sub) if s.fits]
         if fit:
@@ -403,6 +423,23 @@ def _suggest(cx: _Ctx, strategies: list[Strategy]) -> tuple[list[dict], str]:
     msg = (f"Nothing fits on {cx.gpus} GPU(s) of {cx.usable / GiB:.1f} GiB usable (the least is {best.name} at "
            f"{total / GiB:.1f} GiB). What would fit: " + "; ".join(s["text"] for s in out) + ".")
     return out, msg
+
+
+def _encoders_note(cfg: Config, a: Assumptions, device: str) -> str:
+    if not a.encoders_on_gpu:
+        return "no frozen encoders on the GPU (precomputed embeddings)"
+    if cfg.text.kind != "hf" and cfg.autoencoder.kind != "diffusers":
+        return "no frozen encoders (the text encoder is trained; the autoencoder has no weights)"
+    text = text_encoders_resident(cfg)
+    return (f"frozen encoders on every GPU: {frozen_encoder_bytes(cfg, device) / GiB:.1f} GiB ("
+            + ("T5-XXL 4.76B + CLIP-L 123M params" + (", T5's linears in fp8" if cfg.text.precision == "fp8" else "")
+               + (" built for online encoding" if cfg.data.source != "store" and not cfg.dpo.pairs
+                  else " built at the first preview (train.sample_every)") if text
+               else "text encoders not built while training: the store holds their states; built for the "
+                    "end-of-run sample" if cfg.text.kind == "hf" else "")
+            + ("; " if text or cfg.text.kind == "hf" else "")
+            + ("the FLUX VAE 84M, built with the run" if cfg.autoencoder.kind == "diffusers" else "no VAE weights")
+            + ")")
 
 
 def plan(cfg: Config, gpus: int, gpu_mem_gb: float, nodes: int | None = None, gpus_per_node: int = 8,
@@ -468,8 +505,7 @@ def plan(cfg: Config, gpus: int, gpu_mem_gb: float, nodes: int | None = None, gp
             "with gradient accumulation each strategy keeps the better parallel.grad_sync: 'last' reduces once a step "
             "but holds the whole DiT's unsharded fp32 gradients (accum_grads) on every GPU until then; 'every' "
             "reduce-scatters each micro-batch (HSDP's cross-replica all-reduce still once a step)",
-            "frozen encoders (T5-XXL 4.76B + CLIP-L 123M params, FLUX VAE 84M) sit on every GPU in bf16 for online "
-            "encoding" if a.encoders_on_gpu else "no frozen encoders on the GPU (precomputed embeddings)",
+            _encoders_note(cfg, a, device),
             "a trainable 'words' text encoder is replicated: its params, grads, AdamW state and EMA are counted "
             "whole on every GPU (its activations are not) and its gradients cost one all-reduce a step",
             "step time is for the config's task mixture; FSDP traffic overlaps compute (only the excess is exposed); "

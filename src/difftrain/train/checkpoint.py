@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -140,6 +141,7 @@ class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
     checkpoint need not read the shards back. Same format, same headers: DCP's reader loads it."""
 
     written: list[str] | None = None
+    bytes_written = 0           # this rank's tensor bytes, written by write_data
 
     def finish(self, metadata, results):
         """DCP's coordinator (rank 0) gets every rank's write results: the files of the checkpoint, which the seal
@@ -166,6 +168,7 @@ class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
                 results += self._write_file(Path(self.path) / name, name, items, planner, _StorageInfo, WriteResult,
                                             {CUSTOM_METADATA_KEY: None, DCP_VERSION_KEY: str(HF_DCP_VERSION),
                                              FORMAT_KEY: FORMAT_VALUE})
+            self.bytes_written = sum(r.size_in_bytes for r in results)
             fut.set_result(results)
         except Exception as e:     # noqa: BLE001 - reported through the future, as DCP's writers do
             fut.set_exception(e)
@@ -212,6 +215,59 @@ class StreamingSafetensorsWriter(HuggingFaceStorageWriter):
         return out
 
 
+def save_share(state: dict[str, Any], rank: int | None = None, world: int | None = None) -> dict[str, Any]:
+    """The entries of a state dict that this rank writes: a tensor that several ranks hold identically (a DTensor
+    replicated over a mesh dimension, as HSDP's replica groups hold each shard; a plain tensor, held by every
+    rank) is written by one of them, so only that one stages it (DCP would write it once anyway, after every
+    replica had copied it to host memory). Owners are chosen greedily by bytes over the sorted keys, from
+    global shapes only, so every rank computes the same assignment with no communication, and writing is spread
+    over the replicas rather than left to the first one.
+
+    Not distributed (``world`` 1): the whole state."""
+    from torch.distributed.tensor import DTensor
+
+    if world is None:
+        world = dist.get_world_size() if _distributed() else 1
+        rank = dist.get_rank() if _distributed() else 0
+    if world == 1:
+        return dict(state)
+    loads: dict[int, list[int]] = {}
+    out = {}
+    for key in sorted(state):
+        v = state[key]
+        if isinstance(v, DTensor):
+            mesh, placements = v.device_mesh, v.placements
+            dims = [i for i, pl in enumerate(placements) if pl.is_replicate()]
+            copies = math.prod(mesh.size(i) for i in dims)
+            coord = mesh.get_coordinate() or [0] * mesh.ndim
+            mine = 0
+            for i in dims:
+                mine = mine * mesh.size(i) + coord[i]
+            size = v.numel() * v.element_size() * copies // max(1, mesh.size())   # one shard's bytes
+        elif isinstance(v, Tensor):
+            copies, mine, size = world, rank, v.numel() * v.element_size()
+        else:
+            out[key] = v
+            continue
+        if copies == 1:
+            out[key] = v
+            continue
+        load = loads.setdefault(copies, [0] * copies)
+        owner = min(range(copies), key=lambda i: (load[i], i))
+        load[owner] += max(size, 1)
+        if owner == mine:
+            out[key] = v
+    return out
+
+
+def tensor_bytes(state: dict[str, Any]) -> int:
+    """Bytes of a state dict's local tensors (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size()
+               for v in state.values() if isinstance(v, Tensor))
+
+
 def host_pieces(t: Tensor, chunk: int):
     """``t``'s bytes as host buffers of at most ``chunk`` bytes, in order. A host tensor gives views of its own
     memory; a device tensor (a blocking save writes the live GPU shards: no stager copied them) is copied over one
@@ -246,6 +302,7 @@ class _ReusedStager:
     def __init__(self):
         self.cache: dict[str, Tensor] | None = None
         self.keys = None
+        self.staged_bytes = 0       # held in host buffers by the last stage()
 
     def stage(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         from torch.distributed.tensor import DTensor
@@ -256,6 +313,7 @@ class _ReusedStager:
             pin = torch.cuda.is_available() and any(v.is_cuda for v in local.values())
             self.cache = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in local.items()}
             self.keys = keys
+            self.staged_bytes = sum(b.numel() * b.element_size() for b in self.cache.values())
         out = {}
         for k, v in state.items():
             buf, src = self.cache[k], local[k]
@@ -283,6 +341,7 @@ class SaveResult:
     write_s: float = 0.0
     bytes: int = 0
     error: str | None = None
+    rank_bytes: int = 0         # the state bytes this rank writes (and an async save stages): its save plan's share
 
 
 @dataclass
@@ -382,9 +441,10 @@ class Checkpointer:
         if not _all_ok(error is None):   # the directory exists before any rank writes into it
             raise UserError(error or f"{partial}: rank 0 could not create the checkpoint directory")
         tensors, info = self._gather(model, optimizer, ema)
+        tensors = save_share(tensors)            # what this rank's save plan writes, and all it stages
         doc = {"format": FORMAT, "step": step, "optimizer": info, **extra}
         writer = faults.storage_writer(StreamingSafetensorsWriter, str(partial), step, save_distributed=_distributed())
-        result = SaveResult(step, final, 0.0, started)
+        result = SaveResult(step, final, 0.0, started, rank_bytes=tensor_bytes(tensors))
         if blocking:
             try:
                 with phases.phase("write"):
@@ -498,7 +558,7 @@ class Checkpointer:
         result.bytes = sum(v["bytes"] for v in files.values())
         result.write_s = time.perf_counter() - t0
         self._prune()
-        self.on_event("checkpoint", doc["step"], path=str(final), bytes=result.bytes,
+        self.on_event("checkpoint", doc["step"], path=str(final), bytes=result.bytes, rank0_bytes=result.rank_bytes,
                       stall_s=round(result.stall_s, 4), write_s=round(result.write_s, 3))
 
     def _abandon(self, partial: Path, result: SaveResult) -> None:
