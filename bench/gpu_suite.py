@@ -14,6 +14,11 @@ Writes one JSON object (stdout and ``--out``):
   ``torch.cuda.set_sync_debug_mode("warn")``; two are listed in docs/distributed.md; "not run" on a CPU);
 - ``attention_table``, ``hybrid_speedup``: the attention autotuner on FLUX-sized shapes in bf16 (each eligible
   backend checked against the math kernel, then timed forward and backward; docs/kernels.md);
+- ``blocking_save_*``: ``difftrain train`` with ``train.async_checkpoint = false`` (the writer copies the live device
+  shards to the host itself), loaded by a fresh ``difftrain sample`` and resumed;
+- ``tuned_calls``: a compiled ``difftrain train`` run with ``attention.backend = 'auto'``: its forward attention
+  calls on a tuned kernel and on the fallback (the trainer's count from its batches' shapes) against the kernel's
+  own eager count (0 where compiled graphs run), and the shapes the tuner missed (none expected);
 - ``fp8_train_speedup``, ``fp8_train_loss_delta``: the no-AC step with train.fp8 = tensorwise against bf16, from the
   same weights on the same batch;
 - ``quant_sample_speedup_fp8`` and ``quant_rel_error_<fmt>`` (fp8, mxfp8, nvfp4, with their mode): ``sample
@@ -229,6 +234,28 @@ def blocking_save(smoke: bool) -> dict:
     return out
 
 
+def tuned_calls(smoke: bool) -> dict:
+    """``difftrain train`` with ``attention.backend = 'auto'`` and compiled blocks in bf16: the tuner's table, then
+    the run's forward attention calls on a tuned kernel and on the fallback as the trainer counts them (from its
+    batches' shapes: under torch.compile the kernel itself cannot count), and the kernel's own eager count."""
+    import tempfile
+
+    from difftrain.config import load_config, preset_path
+    from difftrain.train import build_trainer
+
+    sets = ["attention.backend=auto", "train.threads=0", "train.checkpoint_every=0", "train.steps=3",
+            "train.sample_every=0", f"train.compile={'false' if smoke else 'true'}"]
+    with tempfile.TemporaryDirectory() as run_dir:
+        tr = build_trainer(load_config(preset_path("shapes-tiny"), sets), run_dir)
+        try:
+            summary = tr.fit()
+            kernel = tr.attention_kernel
+            return {"tuned_calls": summary["attention_calls"], "tuned_calls_eager_count": dict(kernel.calls),
+                    "tuned_shapes": len(kernel.table), "tuned_shapes_missed": sorted(tr.attention_missing)}
+        finally:
+            tr.close()
+
+
 def planner_error(B: int, measured_bytes: int | None) -> dict:
     """The planner's per-GPU total for this model and shape on 1 GPU against the measured peak (None on a
     CPU, where there is no allocator peak to compare with)."""
@@ -388,6 +415,7 @@ def main() -> None:
     except Exception as e:
         out["error_attention"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
     _guarded(out, "blocking_save", blocking_save, args.smoke)
+    _guarded(out, "tuned_calls", tuned_calls, args.smoke)
     for key, fn, fargs in (("fp8_train", fp8_train, (bf16_run, args.batch, args.steps, args.warmup, args.smoke)),
                            ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
                            ("fp8_encoder", fp8_encoder, (args.smoke,))):

@@ -142,3 +142,21 @@ def test_a_run_with_the_hybrid_trains_as_sdpa_does(tiny_cfg, tmp_path):
             assert tr.attention["table"] == {k: r["winner"] for k, r in table.items()}
     for backend in ("auto", "sdpa-math"):
         assert losses[backend] == pytest.approx(losses["sdpa"], rel=1e-4), backend
+
+
+def test_store_shapes_are_the_loaders_cost_balanced_micro_batches(tiny_cfg):
+    """micro_batch 0 (the store source): each bucket's share of a rank cut as the loader cuts it, per frames."""
+    stages = ('[{name = "s", start_step = 0, buckets = [[32, 32], [64, 64]], global_batch = 16, '
+              'micro_cost = 40}]')
+    cfg = tiny_cfg("text.max_tokens=8", "autoencoder.factor=8", f"data.stages={stages}", "data.source=store",
+                   "data.store=/nowhere")
+    assert tuner.micro_batches(8, 3) == {2, 3} and tuner.micro_batches(8, 8) == {8} and tuner.micro_batches(5, 1) == {1}
+    got = {(s.length - 8, s.batch) for s in tuner.attention_shapes(cfg, 0, dp_size=2)}
+    # 32x32 at 16 px a token: 4 tokens a frame; 64x64: 16. A rank's share is 8; micro_cost 40 / tokens.
+    want = set()
+    for per_frame in (4, 16):
+        for frames in {1, 2, cfg.data.frames}:      # t2i; edit (source, target); keyframes
+            n = frames * per_frame
+            want |= {(n, b) for b in tuner.micro_batches(8, max(1, min(8, 40 // n)))}
+    assert got == want, (sorted(got), sorted(want))
+    assert {b for _, b in got} > {1}

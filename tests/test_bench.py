@@ -35,6 +35,8 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
     # A blocking save (no stager), loaded by a fresh process and resumed: on a GPU, the writer's own device copy.
     assert result["blocking_save_ok"] and result["blocking_save_loads_in_a_fresh_process"], result
     assert result["blocking_save_resumes"], result
+    assert result["tuned_calls"]["tuned"] > 0 and result["tuned_calls"]["fallback"] == 0, result
+    assert result["tuned_calls_eager_count"] == result["tuned_calls"] and not result["tuned_shapes_missed"], result
 
 
 def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):

@@ -4,6 +4,7 @@ from the store -> eval. One local Ray for the session (conftest)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -369,3 +370,38 @@ def test_text_the_dit_gets_in_a_store_fed_step_is_what_sample_feeds_it(ray_local
     torch.testing.assert_close(out_train, out_sample, rtol=0, atol=1e-4)
     assert (other - out_sample).abs().max() > 1e-3                 # the text reaches the output
     tr.close()
+
+
+def test_store_run_tunes_attention_at_the_micro_batches_the_loader_cuts(prepared, tmp_path, monkeypatch):
+    """attention.backend = 'auto' with the store source: every (shape, micro-batch size) the run's attention meets
+    was timed by the tuner (the loader cuts each bucket's share into cost-balanced micro-batches: 'low' takes a
+    rank's whole share of 8, 'high' has micro_cost 64, so 4, 3 or 2, or 1 samples), no call falls back, and the trainer's per-row counts (taken from
+    the batches' shapes, so that a compiled model is counted too) equal the calls the kernel saw."""
+    from difftrain.models.kernels import HybridKernel, Shape
+    from difftrain.train import build_trainer
+
+    cfg, _ = prepared
+    cfg = copy.deepcopy(cfg)
+    cfg.train.steps, cfg.train.checkpoint_every, cfg.train.log_every = 10, 0, 1
+    cfg.attention.backend = "auto"
+    met = set()
+    original = HybridKernel.__call__
+
+    def recording(self, q, k, v, mask):
+        met.add((Shape.of(q, mask).key, q.shape[0]))
+        return original(self, q, k, v, mask)
+
+    monkeypatch.setattr(HybridKernel, "__call__", recording)
+    trainer = build_trainer(cfg, tmp_path / "run")
+    summary = trainer.fit()
+    table = json.loads((tmp_path / "run" / "attention_tune.json").read_text())["shapes"]
+    tuned = {(key, b) for key, r in table.items() for b in r["batches"]}
+    assert met and met <= tuned, sorted(met - tuned)
+    assert len({b for _, b in met}) > 1, met          # micro-batches of several sizes were met, and tuned as met
+    kernel = trainer.attention_kernel
+    assert not kernel.unknown and kernel.calls["fallback"] == 0
+    assert summary["attention_calls"] == kernel.calls and kernel.calls["tuned"] > 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("attention_tuned_calls", 0) for r in rows) == kernel.calls["tuned"]
+    assert all(r.get("attention_fallback_calls") == 0 for r in rows if "loss" in r)
+    trainer.close()

@@ -223,7 +223,9 @@ def require(name: str, shapes: list[Shape], device: torch.device, training: bool
 
 
 class HybridKernel:
-    """Each shape to its backend (the tuned table); a shape not in the table runs ``fallback``."""
+    """Each shape to its backend (the tuned table); a shape not in the table runs ``fallback``. ``calls`` counts
+    calls on a tuned kernel and on the fallback where the model runs eagerly (under torch.compile the dispatch is
+    traced once per shape, and the trainer counts from its batches' shapes: ``tune.dispatch_counts``)."""
 
     def __init__(self, table: dict[str, str], fallback: str = "sdpa"):
         self.table = dict(table)
@@ -231,13 +233,19 @@ class HybridKernel:
         self.runs = {k: BACKENDS[v].run for k, v in self.table.items()}
         self.default = BACKENDS[fallback].run
         self.unknown: set[str] = set()
+        self.calls = {"tuned": 0, "fallback": 0}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         key = Shape.of(q, mask).key
         run = self.runs.get(key)
+        eager = not torch.compiler.is_compiling()
         if run is None:
-            if key not in self.unknown:
-                self.unknown.add(key)
-                log.debug("attention: shape %s was not tuned; %s runs it", key, self.fallback)
+            if eager:
+                self.calls["fallback"] += 1
+                if key not in self.unknown:
+                    self.unknown.add(key)
+                    log.debug("attention: shape %s was not tuned; %s runs it", key, self.fallback)
             run = self.default
+        elif eager:
+            self.calls["tuned"] += 1
         return run(q, k, v, mask)

@@ -45,16 +45,33 @@ def text_lengths(cfg: Config) -> list[int]:
     return out + [cfg.text.max_tokens]
 
 
+def micro_batches(share: int, micro: int) -> set[int]:
+    """The micro-batch sizes a rank's ``share`` of a bucket is cut into when each holds at most ``micro``: as
+    the store loader cuts it (``ceil(share / micro)`` parts, as even as they can be)."""
+    n = -(-share // max(1, micro))
+    return {(share * (j + 1)) // n - (share * j) // n for j in range(n)}
+
+
 def attention_shapes(cfg: Config, micro_batch: int, dtype: str = "fp32", cp: int = 1,
-                     batch_factor: int = 1) -> list[Shape]:
+                     batch_factor: int = 1, dp_size: int = 1) -> list[Shape]:
     """Every (batch, heads, length, head dim) the DiT's attention meets in this run (``batch_factor`` 2 for DPO's
-    winners and losers)."""
+    winners and losers). ``micro_batch`` 0: the store's per-bucket batches, each bucket's share of this rank
+    (``global_batch / dp_size``) cut into cost-balanced micro-batches (``Bucket.micro_for``), each shape at the
+    sizes its bucket gives."""
     from difftrain.parallel.memory import bucket_shapes, task_shapes
 
-    image = sorted({n for _, n, _, _, _ in bucket_shapes(cfg)} or {n for n, _, _ in task_shapes(cfg).values()})
+    buckets = bucket_shapes(cfg)
+    if micro_batch > 0 or not buckets:
+        image = {(n, max(1, micro_batch)) for _, n, _, _, _ in buckets} or {
+            (n, max(1, micro_batch)) for n, _, _ in task_shapes(cfg).values()}
+    else:
+        image = set()
+        for _, n, _, bucket, frames in buckets:
+            share = max(1, bucket.global_batch // dp_size)
+            image |= {(n, b) for b in micro_batches(share, bucket.micro_for(frames, share))}
     H, D = cfg.model.heads // cp, cfg.model.hidden // cfg.model.heads
     masked = cfg.text.padding == "masked"
-    return sorted({Shape(micro_batch * batch_factor, H, n + t, D, dtype, masked) for n in image
+    return sorted({Shape(b * batch_factor, H, n + t, D, dtype, masked) for n, b in image
                    for t in text_lengths(cfg)}, key=lambda s: (s.length, s.batch))
 
 
@@ -146,33 +163,41 @@ def load_cache(path: str | Path, key: dict) -> dict:
 
 def tune(shapes: list[Shape], device: torch.device, training: bool, cache: str | Path | None = None,
          backends: list[str] | None = None, reps: int = 5, cp: int = 1) -> dict[str, dict]:
-    """{shape key: {"winner", "ms": {backend: ms}, "rejected": {backend: why}}} for every shape, from the cache
-    where it has them; new results are written back (a temporary file renamed)."""
+    """{shape key: {"winner", "batches", "ms": {backend: ms}, "rejected": {backend: why}}} for every shape key,
+    from the cache where it holds the key at the same batch sizes; new results are written back (a temporary file
+    renamed). A key (what the dispatch tells apart: heads, length, head dim, dtype, mask) that the run meets at
+    several micro-batch sizes (a store's buckets are cut into cost-balanced micro-batches) is timed at each, and
+    a backend's ms is their sum: the winner is the fastest over what the run will do."""
     dtype = shapes[0].dtype if shapes else "fp32"
     key = cache_key(device, dtype, training)
     known = load_cache(cache, key) if cache else {}
-    out = {}
+    groups: dict[str, list[Shape]] = {}
     for shape in shapes:
-        if shape.key in known:
-            out[shape.key] = known[shape.key]
+        groups.setdefault(shape.key, []).append(shape)
+    out = {}
+    for skey, group in groups.items():
+        group = sorted(set(group), key=lambda s: s.batch)
+        batches = [s.batch for s in group]
+        if skey in known and known[skey].get("batches", [1]) == batches:
+            out[skey] = known[skey]
             continue
         ms, rejected = {}, {}
         for name in backends or list(BACKENDS):
-            why = BACKENDS[name].check(shape, device, training, cp)
+            why = next((w for w in (BACKENDS[name].check(s, device, training, cp) for s in group) if w), None)
             if why is None:
                 try:
-                    ok, err = verify(name, shape, device, training)
-                    why = None if ok else f"differs from {MATH} by {err:.2e} > {TOLERANCE[shape.dtype]:.0e}"
+                    ok, err = verify(name, group[-1], device, training)
+                    why = None if ok else f"differs from {MATH} by {err:.2e} > {TOLERANCE[group[-1].dtype]:.0e}"
                     if ok:
-                        ms[name] = round(time_backend(name, shape, device, training, reps), 4)
+                        ms[name] = round(sum(time_backend(name, s, device, training, reps) for s in group), 4)
                 except Exception as e:  # noqa: BLE001 - a kernel refusing a shape at run time is a result
                     why = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             if why is not None:
                 rejected[name] = why
         if not ms:
-            raise RuntimeError(f"no attention backend can run {shape.key}: {rejected}")
-        out[shape.key] = {"winner": min(ms, key=ms.get), "ms": ms, "rejected": rejected}
-        log.info("attention %s: %s (%s)", shape.key, out[shape.key]["winner"],
+            raise RuntimeError(f"no attention backend can run {skey} (batches {batches}): {rejected}")
+        out[skey] = {"winner": min(ms, key=ms.get), "batches": batches, "ms": ms, "rejected": rejected}
+        log.info("attention %s at batch %s: %s (%s)", skey, batches, out[skey]["winner"],
                  ", ".join(f"{n} {t:.3f} ms" for n, t in sorted(ms.items(), key=lambda x: x[1])))
     if cache:
         p = Path(cache)
@@ -181,6 +206,21 @@ def tune(shapes: list[Shape], device: torch.device, training: bool, cache: str |
         tmp.write_text(json.dumps({"format": FORMAT, "key": key, "shapes": {**known, **out}}, indent=1))
         tmp.replace(p)
     return out
+
+
+def dispatch_counts(table: dict[str, str], shapes: list[Shape], calls_each: int) -> tuple[int, int, set[str]]:
+    """(calls on a tuned kernel, calls on the fallback, the keys not tuned) for forwards on ``shapes``, each
+    ``calls_each`` attention calls (one a block): what ``HybridKernel`` dispatches, counted outside the model, so
+    that a compiled model's calls are counted too."""
+    tuned = fallback = 0
+    missing = set()
+    for s in shapes:
+        if s.key in table:
+            tuned += calls_each
+        else:
+            fallback += calls_each
+            missing.add(s.key)
+    return tuned, fallback, missing
 
 
 def summary(results: dict[str, dict]) -> dict:
@@ -201,7 +241,7 @@ def dtype_name(dtype: torch.dtype | None) -> str:
 
 
 def install(cfg: Config, model, device: torch.device, amp: torch.dtype | None, training: bool, micro_batch: int,
-            cp: int = 1, run_dir: str | Path | None = None, batch_factor: int = 1) -> dict:
+            cp: int = 1, run_dir: str | Path | None = None, batch_factor: int = 1, dp_size: int = 1) -> dict:
     """Give the model's attention the kernel ``attention.backend`` names, checked against every shape the run
     meets (a backend that cannot run one is refused, naming the shape and the backends that can); 'auto' tunes
     (rank 0, its table broadcast: every rank runs the same kernels) and installs the hybrid. What was installed."""
@@ -211,7 +251,7 @@ def install(cfg: Config, model, device: torch.device, amp: torch.dtype | None, t
     from difftrain.models.kernels import HybridKernel, require
 
     name = cfg.attention.backend
-    shapes = attention_shapes(cfg, max(1, micro_batch), dtype_name(amp), cp, batch_factor)
+    shapes = attention_shapes(cfg, micro_batch, dtype_name(amp), cp, batch_factor, dp_size)
     if name != "auto":
         b = require(name, shapes, device, training, cp)
         if name != "sdpa":
@@ -226,5 +266,6 @@ def install(cfg: Config, model, device: torch.device, amp: torch.dtype | None, t
         box = [table]
         dist.broadcast_object_list(box, src=0)
         table = box[0]
-    set_kernel(model, HybridKernel(table))
-    return {"backend": "auto", "table": table}
+    kernel = HybridKernel(table)
+    set_kernel(model, kernel)
+    return {"backend": "auto", "table": table, "kernel": kernel}

@@ -132,7 +132,11 @@ class Trainer:
         from difftrain.parallel.tune import install as install_attention
         self.attention = install_attention(cfg, self.model, self.device, self.amp, True, self.micro_batch,
                                            self.env.cp, self.run_dir,
-                                           2 if self.objective.batch_kind == "pairs" else 1)
+                                           2 if self.objective.batch_kind == "pairs" else 1, self.env.dp_size)
+        self.attention_kernel = self.attention.pop("kernel", None)     # the tuned hybrid ('auto')
+        self.attention_calls = {"tuned": 0, "fallback": 0}             # forward calls since the run started
+        self.attention_logged = dict(self.attention_calls)
+        self.attention_missing: set[str] = set()
         if self.attention["backend"] != "sdpa":
             log.info("attention: %s", self.attention)
         self.denoiser = Denoiser(self.model, self.text_encoder, self.device, self.amp, self.env.cp, self.env.cp_rank,
@@ -467,6 +471,26 @@ class Trainer:
         self.tokens_seen += stats.tokens
         self.budget.observe(self.step, self.train_seconds)
         self.health.stragglers(self.step, fetched.data_s + fetched.step_s - stats.wait_s, self.env.rank)
+        if self.attention_kernel is not None:
+            self._count_attention(fetched.batches)
+
+    def _count_attention(self, batches: list[Batch]) -> None:
+        """The step's forward attention calls (one a block and micro-batch) on a tuned kernel and on the fallback,
+        from the micro-batches' shapes as the hybrid dispatches them; a shape the tuner missed is logged once."""
+        from difftrain.models.kernels import Shape
+        from difftrain.parallel.tune import dispatch_counts, dtype_name
+
+        m, p = self.cfg.model, self.dit.params
+        shapes = [Shape(len(b), m.heads // self.env.cp, sum(_seq(b)), m.hidden // m.heads, dtype_name(self.amp),
+                        self.cfg.text.padding == "masked") for b in batches]
+        tuned, fallback, missing = dispatch_counts(self.attention_kernel.table, shapes,
+                                                   p.double_blocks + p.single_blocks)
+        self.attention_calls["tuned"] += tuned
+        self.attention_calls["fallback"] += fallback
+        for key in sorted(missing - self.attention_missing):
+            log.warning("attention: shape %s was not tuned; %s runs it (%d shapes tuned)", key,
+                        self.attention_kernel.fallback, len(self.attention_kernel.table))
+        self.attention_missing |= missing
 
     def _stop_requested(self, stats: StepStats) -> str | None:
         """Why every rank stops after this step (a preemption signal on any rank), or None. All ranks saw the
@@ -510,6 +534,10 @@ class Trainer:
             values["data_errors"] = errors
         if self.peak:
             values["mfu"] = round(mfu(stats.flops, total_s, self.env.world, self.peak), 5)
+        if self.attention_kernel is not None:      # attention calls since the previous row: tuned, fallen back
+            for k in ("tuned", "fallback"):
+                values[f"attention_{k}_calls"] = self.attention_calls[k] - self.attention_logged[k]
+            self.attention_logged = dict(self.attention_calls)
         graphs = compile_count()
         if graphs != self.compiled_graphs:
             values["recompiles"] = graphs - self.compiled_graphs
@@ -539,7 +567,8 @@ class Trainer:
         return {"steps": self.step, "train_seconds": round(self.train_seconds, 2), "num_params": num_params(self.model),
                 "wall_seconds": round(time.perf_counter() - t_start, 2), "tokens": self.tokens_seen,
                 "world_size": self.env.world, "skipped_steps": self.health.skipped_steps,
-                "rollbacks": self.health.rollbacks, "restarts": self.restarts, "preempted": preempted is not None}
+                "rollbacks": self.health.rollbacks, "restarts": self.restarts, "preempted": preempted is not None,
+                **({"attention_calls": dict(self.attention_calls)} if self.attention_kernel is not None else {})}
 
     def close(self) -> None:
         """Finish a checkpoint in flight; stop the data source's readers, the watchdog and the signal handlers;
