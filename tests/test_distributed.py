@@ -253,9 +253,20 @@ def _share_worker(rank: int, world: int, port: int, out: str) -> None:
         tr.fit()
         whole = tensor_bytes(tr.checkpointer._gather(tr.model, tr.optimizer, tr.ema)[0])
         full = {k: _full(v.detach()).clone() for k, v in tr.model.state_dict().items()}
+        # The export again, counting all-gathers: only rank 0 may hold full tensors (gathered to it alone).
+        from torch.distributed.tensor import DTensor
+
+        gathers, all_gather = [0], DTensor.full_tensor
+        DTensor.full_tensor = lambda self, *a, **k: (gathers.__setitem__(0, gathers[0] + 1), all_gather(self, *a, **k))[1]
+        try:
+            tr.export()
+        finally:
+            DTensor.full_tensor = all_gather
+        ema = {k: _full(v.detach()).clone() for k, v in tr.ema.state_dict().items()}
         result = {"written": written, "staged": tr.checkpointer._stager_obj.staged_bytes,
                   "rank_bytes": [r.rank_bytes for r in tr.checkpointer.completed], "whole": whole,
-                  "full": full if rank == 0 else None}
+                  "full": full if rank == 0 else None, "ema": ema if rank == 0 else None,
+                  "export_all_gathers": gathers[0]}
         torch.save(result, Path(out) / f"share_{rank}.pt")
     finally:
         StreamingSafetensorsWriter.write_data = original
@@ -267,7 +278,8 @@ def test_hsdp_ranks_stage_only_what_their_save_plan_writes_and_the_checkpoint_re
     """Every rank of an HSDP replica group holds the same shard; DCP writes it once, so only its writer copies it
     to host memory. Per rank: bytes staged (async) = bytes its writer wrote = its share; the shares add up to the
     checkpoint (nothing written twice, nothing missing: a 1-process resume gets the 4-rank state back), each is
-    about half of the rank's state (2 replicas), and writing is spread over both replicas."""
+    about half of the rank's state (2 replicas), and writing is spread over both replicas. The export gathers
+    each tensor to rank 0 alone."""
     mp.spawn(_share_worker, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True)
     ranks = [torch.load(tmp_path / f"share_{r}.pt") for r in range(4)]
     step1 = tmp_path / "run" / "checkpoints" / "step_00000001"
@@ -278,6 +290,14 @@ def test_hsdp_ranks_stage_only_what_their_save_plan_writes_and_the_checkpoint_re
         assert got["written"][1] == got["rank_bytes"][1] == got["rank_bytes"][0]       # the blocking save too
         assert 0.35 * got["whole"] < got["rank_bytes"][0] < 0.65 * got["whole"], (r, got)
     assert sum(got["written"][0] for got in ranks) == data
+    # the end-of-run export: gathered to rank 0 only (no all-gather on any rank), and exactly the EMA weights
+    from safetensors.torch import load_file
+
+    assert [got["export_all_gathers"] for got in ranks] == [0, 0, 0, 0]
+    exported = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
+    assert exported.keys() == ranks[0]["ema"].keys()
+    for k, v in ranks[0]["ema"].items():
+        assert torch.equal(exported[k], v), k
     # plan's 'stage' column: the largest rank's share, from the inventory alone
     from difftrain.models import config_dit_params
     from difftrain.parallel.memory import inventory

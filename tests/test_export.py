@@ -73,7 +73,7 @@ def test_ema_export_equals_the_trainers_ema_and_its_own_export(trained, tmp_path
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "difftrain-weights/1", "step": "3", "weights": "ema"}
     assert res == {"out": str(out), "tensors": len(ema), "bytes": sum(v.numel() * 4 for v in ema.values()),
-                   "step": 3, "weights": "ema", "layout": "difftrain", "shards": 1}
+                   "step": 3, "weights": "ema", "dtype": "fp32", "layout": "difftrain", "shards": 1}
     # model.init_from takes it as it takes the trainer's export
     dit = build_dit(tr.dit.params, seed=7)
     assert load_pretrained(dit, out)["kind"] == "difftrain"
@@ -224,3 +224,29 @@ def test_two_rank_fsdp_checkpoint_exports_from_its_shard_files(trained, tmp_path
         with pytest.raises(UserError, match="incomplete checkpoint|missing shard"):
             export_checkpoint(broken, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_bf16_trained_run_exports_bf16_by_default_on_both_paths(tmp_path):
+    """A run that computed in bf16 (train.precision = bf16; 'auto' on a GPU) writes its end-of-run export in bf16,
+    and `difftrain export` of its checkpoint defaults to bf16 too (FLUX.1-dev's 24 GB file, not 48 GB of fp32);
+    fp32 on request on either path; a run that computed in fp32 keeps fp32."""
+    run = tmp_path / "bf16"
+    tr = build_trainer(load_config(None, RUN + ["train.precision=bf16"]), run)
+    tr.fit()
+    ema = {k: v.to(torch.bfloat16) for k, v in tr.ema.state_dict().items()}
+    tr.close()
+    assert Checkpointer.read_info(run)["compute_dtype"] == "bf16"
+    end = load_file(str(run / "export" / "model.safetensors"))
+    _assert_equal(end, ema)
+    res = export_checkpoint(run, tmp_path / "cli")
+    assert res["dtype"] == "bf16" and res["bytes"] == sum(v.numel() * 2 for v in ema.values())
+    _assert_equal(load_file(str(tmp_path / "cli" / "model.safetensors")), end)
+    assert export_checkpoint(run, tmp_path / "fp32", dtype="fp32")["dtype"] == "fp32"
+    assert load_file(str(tmp_path / "fp32" / "model.safetensors"))["dit.img_in.weight"].dtype == torch.float32
+
+    forced = tmp_path / "forced"
+    tr = build_trainer(load_config(None, RUN + ["train.precision=bf16", "train.export_dtype=fp32", "train.steps=1"]),
+                       forced)
+    tr.fit()
+    tr.close()
+    assert {v.dtype for v in load_file(str(forced / "export" / "model.safetensors")).values()} == {torch.float32}

@@ -24,7 +24,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="EMA (default) or raw weights")
     p.add_argument("--layout", choices=("difftrain", "diffusers"), default="difftrain",
                    help="difftrain: model.safetensors + config.toml; diffusers: transformer/ in diffusers' layout")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the written tensors")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="dtype of the written tensors (default: the dtype the run computed in: bf16 under bf16 "
+                        "autocast, as FLUX.1-dev is distributed)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--quant", choices=("fp8", "mxfp8", "nvfp4"), default=None,
                    help="write the linears sample --quant quantizes in that format, with their scales (difftrain "

@@ -49,11 +49,13 @@ GROUP_BYTES = 1 << 30                                  # tensors read per DCP lo
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "ema", layout: str = "difftrain",
-                      dtype: str = "fp32", overwrite: bool = False, group_bytes: int = GROUP_BYTES,
+                      dtype: str = "auto", overwrite: bool = False, group_bytes: int = GROUP_BYTES,
                       quant: str | None = None) -> dict[str, Any]:
     """Write the ``weights`` ("ema" | "raw") of ``checkpoint`` (a checkpoint directory, a run directory or
     ``RUN/checkpoints/latest``) to the folder ``out`` in ``layout`` ("difftrain" | "diffusers"), cast to
-    ``dtype`` ("fp32" | "bf16"). ``out`` must not exist or be empty unless ``overwrite``.
+    ``dtype`` ("fp32" | "bf16" | "auto": the dtype the run computed in, from its trainer.json, so a FLUX.1-dev
+    fine-tune trained under bf16 autocast exports its 24 GB bf16 file; ``train.precision`` where an older checkpoint
+    does not say, fp32 for 'auto' there). ``out`` must not exist or be empty unless ``overwrite``.
 
     ``quant`` ("fp8" | "mxfp8" | "nvfp4", difftrain layout only): the linears ``--quant`` quantizes for inference
     are written in that format with their scales (``models.quant.quantized_entries``), the rest in ``dtype``; the
@@ -62,7 +64,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
     Returns {"out", "tensors" (written), "bytes" (of tensor data written), "step", "weights", "layout",
     "shards" (safetensors files the tensors were read from), "quant" (when asked: the format, layers)}."""
     for name, value, choices in (("weights", weights, tuple(WEIGHTS)), ("layout", layout, LAYOUTS),
-                                 ("dtype", dtype, tuple(DTYPES))):
+                                 ("dtype", dtype, ("auto", *DTYPES))):
         if value not in choices:
             raise UserError(f"export --{name} {value!r}: expected one of {', '.join(choices)}")
     if quant is not None:
@@ -102,6 +104,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
     read = {f"{prefix}.{k}" for k in plan.sources}
     shards = {item.relative_path for index, item in metadata.storage_data.items() if index.fqn in read}
 
+    if dtype == "auto":
+        dtype = info.get("compute_dtype") or ("bf16" if cfg.train.precision == "bf16" else "fp32")
+        if dtype not in DTYPES:
+            raise UserError(f"{ckpt}/trainer.json: compute_dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
     tmp = out.parent / f"{out.name}.partial-{secrets.token_hex(4)}"
     try:
@@ -123,7 +129,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": str(out), "tensors": len(plan.outputs), "bytes": n_bytes, "step": step, "weights": weights,
-            "layout": layout, "shards": len(shards), **({"quant": {"format": quant, "layers": plan.quantized}}
+            "dtype": dtype, "layout": layout, "shards": len(shards), **({"quant": {"format": quant, "layers": plan.quantized}}
                                                         if quant else {})}
 
 

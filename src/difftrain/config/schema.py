@@ -191,6 +191,9 @@ class TrainConfig:
                             default=0.999)
     precision: str = meta("'auto' = bf16 autocast where the device supports it, else fp32",
                           choices=("auto", "bf16", "fp32"), default="auto")
+    export_dtype: str = meta("dtype of the end-of-run export (RUN/export/model.safetensors): 'auto' = the compute "
+                             "dtype the run trained in (bf16 under bf16 autocast: FLUX.1-dev's 24 GB, not 48 GB in "
+                             "fp32), or 'fp32' / 'bf16'", choices=("auto", "bf16", "fp32"), default="auto")
     compile: bool = meta("torch.compile each block", default=False)
     fp8: str = meta("float8 training of the DiT blocks' linear layers (torchao convert_to_float8_training): 'none', "
                     "'tensorwise' or 'rowwise' scaling; embedders, modulation, the final layer and dims not "

@@ -329,17 +329,68 @@ def load_pretrained(dit: MMDiT, path: str | Path) -> dict:
             "bytes_read": bytes_read, "bytes_total": sum(sizes[k] for k in expected)}
 
 
-def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool, transform=None) -> Path:
-    """A live model's weights as ``OUT/model.safetensors`` (float32) with ``OUT/config.toml``: the layout
-    ``difftrain export`` writes, streamed as it streams: rank 0 writes the header, then each tensor as it is
-    gathered (one at a time, a collective: every rank calls this), so no rank holds more than one full tensor
-    beyond its own shards. Written under a temporary name and renamed, so a crash leaves no half file.
-    ``transform(name, full)``: the tensor written instead of the gathered ``full`` one (same shape; called on
-    every rank in the same order, so it may gather too: a LoRA export folds each adapter in here)."""
+def gather_to_main(t: torch.Tensor, is_main: bool) -> torch.Tensor | None:
+    """The full tensor on the writing rank (global rank 0), None elsewhere. An FSDP2 shard (``Shard(0)``, with
+    ``Replicate`` on HSDP's replica dimension) is gathered over the first replica's shard group into one buffer on
+    rank 0 only (each shard padded to ``ceil(rows / n)`` rows, as FSDP2 chunks them); no other rank holds more than
+    its own shard. Other layouts (a plain tensor, another placement) are all-gathered as before."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    t = t.detach()
+    if not isinstance(t, DTensor):
+        return t if is_main else None
+    mesh, placements = t.device_mesh, t.placements
+    sharded = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
+    simple = (len(sharded) == 1 and placements[sharded[0]].dim == 0
+              and all(pl.is_replicate() for i, pl in enumerate(placements) if i != sharded[0])
+              and (not is_main or dist.get_rank() == 0))
+    if not simple:
+        full = t.full_tensor()
+        return full if is_main else None
+    d = sharded[0]
+    coord = mesh.get_coordinate()
+    if any(coord[i] for i in range(mesh.ndim) if i != d):      # another replica: the first one's ranks send
+        return None
+    n, rows = mesh.size(d), t.shape[0]
+    per = -(-rows // n)
+    local = t.to_local()
+    piece = local if local.shape[0] == per else torch.cat(
+        [local, local.new_zeros((per - local.shape[0], *local.shape[1:]))])
+    group = mesh.get_group(d)
+    if coord[d] == 0:
+        out = local.new_empty((n * per, *t.shape[1:]))
+        dist.gather(piece.contiguous(), list(out.chunk(n)), group=group, group_dst=0)
+        return out[:rows] if is_main else None
+    dist.gather(piece.contiguous(), None, group=group, group_dst=0)
+    return None
+
+
+def export_dtype(cfg, compute: torch.dtype | None) -> torch.dtype:
+    """``train.export_dtype``: 'auto' writes the dtype the run computed in (bf16 under bf16 autocast), else as
+    set."""
+    name = cfg.train.export_dtype
+    if name == "auto":
+        return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool, transform=None,
+                  dtype: torch.dtype = torch.float32) -> Path:
+    """A live model's weights as ``OUT/model.safetensors`` (floating tensors in ``dtype``) with ``OUT/config.toml``:
+    the layout ``difftrain export`` writes, streamed as it streams: rank 0 writes the header, then each tensor as
+    it is gathered to it (one at a time, a collective: every rank calls this; ``gather_to_main``), so rank 0 holds
+    one full tensor beyond its shards and every other rank none. Written under a temporary name and renamed, so a
+    crash leaves no half file. ``transform(name, full)``: the tensor written instead of the gathered ``full`` one
+    (same shape); called on every rank in the same order with ``full`` None off the writing rank, so it may
+    gather too (a LoRA export folds each adapter in here) and must return None where ``full`` is None."""
     from difftrain.config import to_toml
     from difftrain.parallel.stream_writer import SafetensorsStreamWriter
 
-    entries = [(k, tuple(v.shape), torch.float32) for k, v in named.items()]   # a DTensor's shape is the full one
+    def out_dtype(v: torch.Tensor) -> torch.dtype:
+        return dtype if v.dtype.is_floating_point else v.dtype
+
+    entries = [(k, tuple(v.shape), out_dtype(v)) for k, v in named.items()]   # a DTensor's shape is the full one
     tmp = out / (EXPORT_WEIGHTS + ".tmp")
     writer = None
     if is_main:
@@ -347,12 +398,11 @@ def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool,
         writer = SafetensorsStreamWriter(tmp, entries, {"format": EXPORT_FORMAT}).__enter__()
     try:
         for k, v in named.items():
-            v = v.detach()
-            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            full = gather_to_main(v, is_main)
             if transform is not None:
                 full = transform(k, full)
             if writer is not None:
-                writer.write(k, full.float())
+                writer.write(k, full.to(out_dtype(v)))
             del full
     except BaseException as e:
         if writer is not None:
@@ -366,4 +416,4 @@ def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool,
     return out / EXPORT_WEIGHTS
 
 
-__all__ = ["load_pretrained", "write_weights"]
+__all__ = ["export_dtype", "gather_to_main", "load_pretrained", "write_weights"]

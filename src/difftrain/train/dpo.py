@@ -188,7 +188,7 @@ class DPOTrainer(Trainer):
             return super().export()
         import json
 
-        from difftrain.parallel.pretrained import write_weights
+        from difftrain.parallel.pretrained import export_dtype, write_weights
 
         self.checkpointer.wait_staged()
         d = self.cfg.dpo
@@ -206,13 +206,16 @@ class DPOTrainer(Trainer):
             if a_key is None:
                 return weight
             b_key = a_key.replace(".lora_A.", ".lora_B.")
-            return merged(weight, full(source[a_key]), full(source[b_key]), scale)
+            a, b = full(source[a_key]), full(source[b_key])       # every rank: a collective
+            return None if weight is None else merged(weight, a, b, scale)
 
         out = self.run_dir / "export"
+        dtype = export_dtype(self.cfg, self.amp)
         path = write_weights(base, self.cfg, out, self.env.is_main,
-                             transform=fold if d.lora_export == "merge" else None)
+                             transform=fold if d.lora_export == "merge" else None, dtype=dtype)
         if d.lora_export == "adapter":
-            write_weights({k: v for k, v in source.items() if is_lora(k)}, self.cfg, out / "adapter", self.env.is_main)
+            write_weights({k: v for k, v in source.items() if is_lora(k)}, self.cfg, out / "adapter", self.env.is_main,
+                          dtype=dtype)
             if self.env.is_main:
                 (out / "adapter" / "adapter_config.json").write_text(json.dumps(
                     {"r": d.lora_rank, "lora_alpha": d.lora_alpha, "target_modules": self.lora_layers}, indent=1))

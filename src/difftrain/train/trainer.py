@@ -299,7 +299,7 @@ class Trainer:
         extra = {"loader": self.loader.state_dict(), **self.budget.state_dict(), **self.health.state_dict(),
                  "train_seconds": self.train_seconds, "samples_seen": self.samples_seen, "restarts": self.restarts,
                  "ema_updates": self.ema.updates if self.ema else 0, "config": to_dict(self.cfg),
-                 "world_size": self.env.world,
+                 "world_size": self.env.world, "compute_dtype": "bf16" if self.amp == torch.bfloat16 else "fp32",
                  "text_encoder": getattr(self.text_encoder, "extra_state", lambda: {"kind": "hf"})(),
                  "num_params": {"dit": num_params(self.dit), "total": num_params(self.model)},
                  **self._extra_state()}
@@ -593,11 +593,12 @@ class Trainer:
 
     def export(self) -> Path:
         """Inference weights (EMA if kept) as ``RUN/export/model.safetensors`` with the config beside them."""
-        from difftrain.parallel.pretrained import write_weights
+        from difftrain.parallel.pretrained import export_dtype, write_weights
 
         self.checkpointer.wait_staged()
         source = self.ema.state_dict() if self.ema is not None else dict(self.model.named_parameters())
-        return write_weights(source, self.cfg, self.run_dir / "export", self.env.is_main)
+        return write_weights(source, self.cfg, self.run_dir / "export", self.env.is_main,
+                             dtype=export_dtype(self.cfg, self.amp))
 
     def sample_grid(self, path: Path, n: int = 4) -> Path:
         """A preview grid of the run's own prompts (``ConfiguredSource.preview_prompts``), with the EMA weights,
