@@ -444,3 +444,12 @@ def test_frozen_encoders_are_counted_only_where_the_run_builds_them():
     parts = {name: plan(c, 64, 141).strategies[0].per_gpu_bytes["encoders"]
              for name, c in (("online", online), ("store", store))}
     assert parts == {"online": text + FLUX_VAE_PARAMS * 2, "store": FLUX_VAE_PARAMS * 2}
+
+
+def test_a_blocking_save_stages_one_piece_of_the_writers_size():
+    from difftrain.parallel.planner import STAGING_PIECE_BYTES
+    from difftrain.train.verification import CHUNK
+
+    assert STAGING_PIECE_BYTES == CHUNK
+    cfg = load_config(_preset("dit-24b"), PLAIN_FSDP + ["train.async_checkpoint=false"])
+    assert {s.staging_bytes for s in plan(cfg, 64, 141).strategies} == {CHUNK}

@@ -23,6 +23,7 @@ from difftrain.parallel.memory import (Inventory, block_activation_bytes, bucket
 __all__ = ["Assumptions", "Plan", "Strategy", "block_activation_bytes", "estimate_single_gpu", "plan",
            "task_shapes"]
 GiB = 2 ** 30
+STAGING_PIECE_BYTES = 8 << 20     # the one host buffer a blocking save copies through (train/verification.CHUNK)
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,7 @@ def staging_bytes(m: Inventory, s: Strategy, gpus: int, ema: bool, async_save: b
     that hold the same shard, and the replicated text encoder's state divided over every rank. Blocking: the one
     reused piece each write goes through (``checkpoint.host_pieces``)."""
     if not async_save:
-        from difftrain.train.verification import CHUNK
-
-        return CHUNK
+        return STAGING_PIECE_BYTES
     W = s.dp_shard * s.cp
     per = 4 + 8 + (4 if ema else 0)
     everywhere = 4 * m.tensors + per * m.text_numel + 4 * m.text_tensors     # plain tensors every rank holds
