@@ -10,7 +10,12 @@ every rank stops at one step, checkpoints, the launcher requeues), ``agent_sigte
 agent, as schedulers send it), ``anytime`` (SIGKILLs at random moments, each recording the phase it hit:
 ``phases_hit``), ``nodekill`` / ``nodestop`` (one of two torchrun agents' nodes lost, ``bench/node_loss.py``:
 ``detect_s``, ``rendezvous_s``, ``resume_s``) and ``store`` (a kill in a job fed from a latent store the script
-prepares, the store loader's state in the checkpoint).
+prepares, the store loader's state in the checkpoint), ``store_read_error_resume`` (in that store-fed job a rank's
+row reads as damaged, within ``data.max_error_rate``; the job is killed after the next checkpoint and resumes: the
+run's read-error totals come back with it; compared with the same job meeting the same bad row unkilled),
+``rank0_seal_failure`` (rank 0 alone fails to seal a blocking save: every rank ends with the error, ``error_on_every_rank_s``
+after the fault, and torchrun restarts the job from the previous checkpoint) and ``blocking_save_kill`` (SIGKILL of
+rank 0 part way through a blocking save, ``train.async_checkpoint = false``: shards written, no marker).
 
 Per fault: ``recovered`` (the job finished with no person involved), ``recovery_seconds`` (the fault ->
 the first step after the resume; for faults that need no restart, 0), ``steps_lost`` (steps run twice),
@@ -51,7 +56,11 @@ TINY = ["model.hidden=32", "model.heads=2", "model.double_blocks=1", "model.sing
         "train.log_every=1", "train.lr=1e-3", "sample.steps=3", "eval.n=4", "train.ema_decay=0.9",
         "train.threads=1", "train.schedule=constant", "health.hang_seconds=10", "health.straggler_every=0"]
 ALL = ("kill", "killsave", "corrupt", "truncate", "enospc", "enospc_partial", "nan", "hang", "sigterm",
-       "agent_sigterm", "anytime", "nodekill", "nodestop", "store")
+       "agent_sigterm", "anytime", "nodekill", "nodestop", "store", "store_read_error_resume", "rank0_seal_failure",
+       "blocking_save_kill")
+BLOCKING = ("rank0_seal_failure", "blocking_save_kill")     # faults of the blocking save path (async_checkpoint off)
+RESTARTING = ("kill", "killsave", "corrupt", "truncate", "hang", "anytime", "store", "store_read_error_resume",
+              "rank0_seal_failure", "blocking_save_kill")
 DWELL_S = 0.05       # 'anytime': every phase lasts at least this long, so a poll of the board can land in it
 
 
@@ -283,6 +292,22 @@ def project_24b(write_gbps: float, staging_gbps: float, read_gbps: float, restar
         "checkpoint_interval_s": round(interval_s, 1), "cost_per_interruption_s": round(per_failure_s, 1)}}
 
 
+def error_seen_by_every_rank(run: Path, t_fault: float | None, text: str) -> float | None:
+    """Seconds from the fault to the last rank's first log line holding ``text`` (None if a rank never logged
+    it): how long the ranks took to hear of a failure on one of them."""
+    if t_fault is None:
+        return None
+    seen = []
+    for r in range(2):
+        path = run / "logs" / f"rank_{r}.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+        times = [x["time"] for x in lines if text in x.get("msg", "") and x.get("time", 0) >= t_fault]
+        if not times:
+            return None
+        seen.append(min(times) - t_fault)
+    return round(max(seen), 2)
+
+
 def store_config(root: Path, steps: int, every: int) -> Path:
     """A store-fed job: the shapes world exported small, prepared into a latent store (Ray Data, Lance), and the
     chaos job's model trained from it over one stage of two 32-pixel buckets."""
@@ -304,7 +329,7 @@ def store_config(root: Path, steps: int, every: int) -> Path:
         o for o in TINY if not o.startswith(("data.image_size", "data.world_size"))] + [
         "autoencoder.factor=8", "model.axes_dims_rope=[4, 6, 6]", f"data.sources={sources}",
         f"data.store={store}", f"data.stages={stage}", "data.image_size=48", f"train.steps={steps}",
-        f"train.checkpoint_every={every}", "train.sample_every=0"])))
+        f"train.checkpoint_every={every}", "train.sample_every=0", "data.max_error_rate=0.01"])))
     subprocess.run(cli + ["prepare", str(cfg), "--no-progress"], check=True, env=env, capture_output=True)
     return cfg
 
@@ -333,6 +358,10 @@ def main() -> None:
     cfg = root / "job.toml"
     cfg.write_text(to_toml(load_config(None, TINY + [f"train.steps={args.steps}",
                                                      f"train.checkpoint_every={args.every}"])))
+    blocking_cfg = root / "job-blocking.toml"
+    blocking_cfg.write_text(to_toml(load_config(None, TINY + [f"train.steps={args.steps}",
+                                                              f"train.checkpoint_every={args.every}",
+                                                              "train.async_checkpoint=false"])))
 
     def reference(name: str, skip: list[int] | None = None) -> dict:
         run, samples = root / name, root / f"{name}.samples"
@@ -349,7 +378,7 @@ def main() -> None:
     ref = reference("reference")
     out = []
     node_kinds = [k for k in kinds if k in ("nodekill", "nodestop")]
-    for kind in [k for k in kinds if k not in node_kinds and k != "store"]:
+    for kind in [k for k in kinds if k not in node_kinds and not k.startswith("store")]:
         run, samples = root / kind, root / f"{kind}.samples"
         step = rng.randint(args.every + 2, args.steps - args.every)
         rank = rng.randint(0, 1)
@@ -359,7 +388,8 @@ def main() -> None:
                 "truncate": f"truncate@{max(2 * args.every, saved) + 2}:0",
                 "enospc": f"enospc@{saved}:{rank}", "enospc_partial": f"enospc_partial@{saved}:{rank}",
                 "nan": f"nan@{step}:{rank}", "hang": f"hang@{step}:{rank}", "sigterm": f"sigterm@{step}:{rank}",
-                "agent_sigterm": "", "anytime": ""}[kind]
+                "agent_sigterm": "", "anytime": "", "rank0_seal_failure": f"sealfail@{saved}:0",
+                "blocking_save_kill": f"killsave@{saved}:0"}[kind]
         env, during, kills, sent, restarts = None, None, [], [], 3
         if kind == "anytime":
             board = root / "anytime.board"
@@ -367,7 +397,8 @@ def main() -> None:
             during, restarts = anytime_killer(board, rng, kills), 10
         if kind == "agent_sigterm":
             during = agent_signaller(samples, sent, step)
-        rc, wall, err = torchrun(cfg, run, spec, samples, restarts, env, during)
+        rc, wall, err = torchrun(blocking_cfg if kind in BLOCKING else cfg, run, spec, samples, restarts, env,
+                                 during)
         requeue_at = None
         if kind in ("sigterm", "agent_sigterm") and (run / "requeue.json").is_file():
             requeue_at = time.time()         # the launcher's part: the marker says requeue, whatever rc says
@@ -395,6 +426,10 @@ def main() -> None:
             row["restarts"] = len(kills)
         if kind in ("enospc", "enospc_partial", "nan"):
             row["recovery_seconds"] = 0.0
+        if kind == "rank0_seal_failure":
+            row["error_on_every_rank_s"] = error_seen_by_every_rank(run, fired_at(run), "sealing the checkpoint failed")
+            row["recovered"] = row["recovered"] and row["error_on_every_rank_s"] is not None \
+                and row["error_on_every_rank_s"] <= 30
         row["spec"] = spec or {"agent_sigterm": f"SIGTERM to the torchrun agent after step {step}",
                                "anytime": "SIGKILL of a rank at random moments, until every phase was hit"}[kind]
         if rc != 0:
@@ -403,27 +438,39 @@ def main() -> None:
         print(json.dumps({k: row[k] for k in ("kind", "spec", "recovered", "recovery_seconds", "steps_lost",
                                                  "final_state_identical")}), file=sys.stderr, flush=True)
     out += node_loss_rows(root, node_kinds, args.seed)
-    if "store" in kinds:      # a store-fed job: the store loader's state is in the checkpoint; a rank is killed
-        scfg = store_config(root, args.steps, args.every)
-        sref_run, sref_samples = root / "store-reference", root / "store-reference.samples"
-        rc, _, err = torchrun(scfg, sref_run, "", sref_samples, restarts=0)
+    store_kinds = [k for k in kinds if k in ("store", "store_read_error_resume")]
+    scfg = store_config(root, args.steps, args.every) if store_kinds else None
+
+    def store_reference(name: str, faults: str) -> dict:
+        run, samples = root / name, root / f"{name}.samples"
+        rc, _, err = torchrun(scfg, run, faults, samples, restarts=0)
         if rc != 0:
-            raise SystemExit(f"store reference run failed:\n{err}")
-        sref = {"files": final_files(sref_run, args.steps), "stream": stream(sref_samples)[0]}
+            raise SystemExit(f"{name} run failed:\n{err}")
+        return {"files": final_files(run, args.steps), "stream": stream(samples)[0]}
+
+    for kind in store_kinds:
         step, rank = rng.randint(args.every + 2, args.steps - args.every), rng.randint(0, 1)
-        spec = f"kill@{step}:{rank}"
-        run, samples = root / "store-kill", root / "store-kill.samples"
+        if kind == "store":   # a store-fed job: the store loader's state is in the checkpoint; a rank is killed
+            sref, spec, label = store_reference("store-reference", ""), f"kill@{step}:{rank}", " (store-fed)"
+        else:                 # a bad row, then a kill after the next checkpoint: the read-error totals resume whole
+            bad = args.every + 2
+            bad_spec = f"unreadable@{bad}:{rank}"
+            sref = store_reference("store-unreadable-reference", bad_spec)
+            kill = (bad // args.every + 1) * args.every + 2
+            spec, label = f"{bad_spec},kill@{kill}:{1 - rank}", " (store-fed, the row unreadable in both runs)"
+        run, samples = root / kind, root / f"{kind}.samples"
         rc, wall, err = torchrun(scfg, run, spec, samples)
-        row = analyse("store", run, samples, wall, rc, sref, args.steps)
-        row["spec"] = spec + " (store-fed)"
+        row = analyse(kind, run, samples, wall, rc, sref, args.steps)
+        row["spec"] = spec + label
+        if kind == "store_read_error_resume":
+            row["data_errors_at_end"] = max((m.get("data_errors", 0) for m in read_metrics(run)), default=None)
         if rc != 0:
             row["stderr_tail"] = err[-800:]
         out.append(row)
 
     counted = sum(r["counted_step_seconds"] for r in out)
     wall = sum(r["wall_seconds"] for r in out)
-    restarts = [r for r in out if r["kind"] in ("kill", "killsave", "corrupt", "truncate", "hang", "anytime", "store")
-                and r["recovery_seconds"]]
+    restarts = [r for r in out if r["kind"] in RESTARTING and r["recovery_seconds"]]
     rec = sum(r["recovery_seconds"] for r in restarts) / max(1, len(restarts))
     stalls = [s for r in out for s in r.get("checkpoint_stall_s", []) if s is not None]
     stall = sum(stalls) / max(1, len(stalls))
@@ -434,7 +481,8 @@ def main() -> None:
     single = [r["recovery_seconds"] for r in out if r["kind"] not in ("nodekill", "nodestop")]
     keys = ("kind", "spec", "recovered", "recovery_seconds", "steps_lost", "final_state_identical", "stream_identical",
             "restarts", "wall_seconds", "kills", "phases_hit", "agent_exit_code", "detect_s", "rendezvous_s",
-            "resume_s", "rejoin_s", "worlds", "final_state_max_abs_diff", "final_state_within_1e-6", "stderr_tail")
+            "resume_s", "rejoin_s", "worlds", "final_state_max_abs_diff", "final_state_within_1e-6",
+            "error_on_every_rank_s", "data_errors_at_end", "stderr_tail")
     print(json.dumps({
         "faults": [{k: r[k] for k in keys if k in r} for r in out],
         "fault_kinds": len(out),

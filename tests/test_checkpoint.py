@@ -306,9 +306,11 @@ def test_a_shard_a_rank_wrote_but_the_listing_lacks_is_not_sealed(tmp_path, monk
         return out
 
     monkeypatch.setattr(StreamingSafetensorsWriter, "finish", finish_seeing_a_phantom)
-    with pytest.raises(OSError, match="model-00002-of-00002.safetensors written by a rank but not in the directory"):
+    with pytest.raises(UserError, match="checkpoint at step 2 failed, the previous one is intact: .*sealing the "
+                                        "checkpoint failed \\(model-00002-of-00002.safetensors written by a rank but "
+                                        "not in the directory"):
         ck.save(2, m, opt, None, {"loader": {}}, blocking=True)
-    assert ck.latest() == first
+    assert ck.latest() == first and not (tmp_path / "checkpoints" / "step_00000002.partial").exists()
 
 
 def test_plain_reader_reads_rows_and_names_a_truncated_file(tmp_path):

@@ -162,8 +162,7 @@ def test_error_rate_stops_before_writing(ray_local, export, tmp_path):
 
 
 def test_train_from_the_store_through_the_curriculum_then_eval(prepared, tmp_path):
-    from difftrain.shapes.world import ShapesWorld
-    from difftrain.evaluate import evaluate
+    from difftrain.evaluate import evaluate_buckets
     from difftrain.train import build_trainer
 
     cfg, _ = prepared
@@ -176,8 +175,13 @@ def test_train_from_the_store_through_the_curriculum_then_eval(prepared, tmp_pat
     high = {s for step, s in seqs if step > 6}
     assert low and high and max(low) < min(high), seqs          # the switch to 64/80-pixel buckets at step 6
     assert trainer.loader.state_dict()["stage"] == "high"
-    metrics, _ = evaluate(trainer.pipeline(), ShapesWorld(cfg.eval.seed, 32, 3), 2, 2, 1.5)
-    assert 0.0 <= metrics["t2i_color_acc"] <= 1.0
+    # The eval is at the buckets the run ended on (the high stage's), and what it scored is what it sampled there.
+    metrics, gens = evaluate_buckets(trainer.pipeline(), cfg, cfg.eval.seed, 2, 2, 1.5, tasks=("t2i",), heldout=False)
+    assert metrics["stage"] == "high" and sorted(metrics["buckets"]) == ["64x64", "64x80", "80x64"]
+    # each bucket's scene is its short side (64), generated on the bucket's canvas and scored there: the low
+    # stage's 32-pixel scenes would show here
+    assert {g.images[-1].shape[:2] for g in gens} == {(64, 64)} and len(gens) == 6
+    assert all(m["t2i_color_acc"] is not None for m in metrics["by_bucket"].values())
     trainer.close()
 
 

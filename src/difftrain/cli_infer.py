@@ -149,8 +149,22 @@ def cmd_eval(args) -> int:
     if args.grid:
         caption_grid([(g.images, g.prompt) for g in gens[:: max(1, len(gens) // 24)]], args.grid)
     if args.json:
+        import hashlib
+
+        import numpy as np
+
+        # what was evaluated: the checkpoint, the prompts and noise (the same for any checkpoint given the same
+        # seeds), and a digest of every generated image (differs as soon as the weights differ)
+        prompts = hashlib.sha256("\n".join(g.prompt for g in gens).encode()).hexdigest()
+        pixels = hashlib.sha256()
+        for g in gens:
+            for im in g.images:
+                pixels.update(np.ascontiguousarray(im).tobytes())
         print(json.dumps({**{k: metrics[k] for k in EVAL_KEYS}, "stage": metrics["stage"],
                           **({"quant": info["quant"]} if args.quant else {}),
+                          "checkpoint": str(info["path"]), "step": int(info["step"]),
+                          "seeds": [world_seed, noise_seed], "prompts_sha256": prompts,
+                          "images_sha256": pixels.hexdigest(),
                           "buckets": metrics["buckets"],
                           "by_bucket": {b: {k: m[k] for k in EVAL_KEYS} for b, m in metrics["by_bucket"].items()}}))
     else:

@@ -183,6 +183,11 @@ class TrainConfig:
     min_lr_ratio: float = meta("final LR as a fraction of peak (cosine)", ge=0, le=1, default=0.1)
     warmup_steps: int = meta("linear warmup steps", ge=0, default=20)
     schedule: str = meta("LR schedule after warmup", choices=("cosine", "constant"), default="cosine")
+    schedule_change: str = meta("when a resumed run's length differs (train.steps or train.minutes changed): "
+                                "'keep_lr' keeps the LR it had at the resume step and re-plans the cosine from there to "
+                                "the new end; 'follow' takes the schedule as planned for the new length (the LR jumps to "
+                                "its value there). Either way the resume logs both LRs",
+                                choices=("keep_lr", "follow"), default="keep_lr")
     weight_decay: float = meta("AdamW weight decay", ge=0, default=0.0)
     beta1: float = meta("AdamW beta1", ge=0, lt=1, default=0.9)
     beta2: float = meta("AdamW beta2", ge=0, lt=1, default=0.999)

@@ -30,8 +30,15 @@ class Batch:
     task: str = "t2i"
     meta: list[dict] = field(default_factory=list)   # per-example facts for evaluation and logging
     sample_ids: list[int] = field(default_factory=list)  # the examples' ids (what noise and timesteps are drawn from)
+    # per example, how many earlier slots of its global batch hold the same id (a store stream whose batch crosses
+    # an epoch boundary can serve an id twice): drawn apart (``flow.draw_t_and_noise``); empty = none repeats
+    repeats: list[int] = field(default_factory=list)
     text: TextEmbedding | None = None   # precomputed by frozen encoders (the latent store); else from ``tokens``
     pairs: int = 0                 # a preference-pair batch: rows [0, pairs) winners, [pairs, 2 pairs) their losers
+    # a store step's reads on this rank (on the step's first micro-batch): rows asked for and rows unreadable; the
+    # trainer sums them over ranks for the run's read-error budget (``StoreLoader.account_reads``)
+    rows_asked: int = 0
+    rows_unreadable: int = 0
 
     def _map(self, fn) -> "Batch":
         text = None if self.text is None else TextEmbedding(fn(self.text.txt_BTD), fn(self.text.pooled_BP),
@@ -55,7 +62,7 @@ class Batch:
                                                             self.text.mask_BT[sl])
         return replace(self, x0_BLC=self.x0_BLC[sl], ids_BL3=self.ids_BL3[sl], loss_mask_BL=self.loss_mask_BL[sl],
                        tokens={k: v[sl] for k, v in self.tokens.items()}, prompts=self.prompts[sl],
-                       meta=self.meta[sl], sample_ids=self.sample_ids[sl], text=text)
+                       meta=self.meta[sl], sample_ids=self.sample_ids[sl], repeats=self.repeats[sl], text=text)
 
 
 def assemble(latents_BFCHW: Tensor, indices: list[int], target_BF: Tensor, tokens: dict[str, Tensor],

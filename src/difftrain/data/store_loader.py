@@ -267,8 +267,15 @@ class StoreLoader:
             self._cum[stage] = np.cumsum(w / w.sum())
         self.step = 0
         self.lost = lost            # rows lost to damaged fragments (checked above against all rows)
-        self.read_errors = 0        # rows unreadable when read (checked against the rows read)
+        self.total_rows = total
+        # The run's read-error budget, over every rank (``account_reads``, fed by the trainer's step reduction, the
+        # same figures on every rank), saved and restored whole: rows unreadable when read, and rows asked for.
+        self.read_errors = 0
         self.samples_read = 0
+        self.last_unreadable = ""   # where this rank last met one (for the error message)
+        # step -> whether this rank's first row of that step is to read as damaged: the trainer sets the fault
+        # harness's hook here (``train.faults.unreadable_at``); None in normal runs
+        self.fault_hook = None
         self._check_world(0)
         self.cache = (NodeCache(d.cache_dir, d.cache_gb * 1e9, {n: (t.uri, t.ds) for n, t in self.tables.items()})
                       if d.cache_dir else None)
@@ -458,15 +465,13 @@ class StoreLoader:
         bounds = [lo + (share * j) // n_micro for j in range(n_micro + 1)]
         mine = ids[lo:lo + share]
         rows = self._read_rows(table, mine, plan["at"][lo:lo + share])
+        if mine and self.fault_hook is not None and self.fault_hook(plan["step"] + 1):
+            rows.pop(mine[0], None)       # the fault harness: this rank's first row of the step reads as damaged
         missing = [i for i in mine if i not in rows]
-        with self.count_lock:
-            self.read_errors += len(missing)
-            self.samples_read += len(mine)
-        if self.read_errors > self.cfg.data.max_error_rate * self.samples_read:
-            raise UserError(f"store {self.store}: {self.read_errors} of {self.samples_read} samples read were unreadable "
-                            f"(> data.max_error_rate = {self.cfg.data.max_error_rate}); last in table "
-                            f"{table.info.name} ({table.uri}), sample ids {missing[:5]}. Re-run 'difftrain prepare' "
-                            "to rewrite the damaged fragments.")
+        if missing:
+            self.last_unreadable = f"table {table.info.name} ({table.uri}), sample ids {missing[:5]}"
+            log.warning("store step %d: %d of this rank's %d rows unreadable (%s); the step goes on without them",
+                        plan["step"] + 1, len(missing), len(mine), self.last_unreadable)
         lengths = self._text_lengths(table, plan)
         out = []
         for j in range(n_micro):
@@ -476,7 +481,32 @@ class StoreLoader:
                                 f"unreadable (sample ids {ids[bounds[j]:bounds[j + 1]][:5]}...)")
             out.append(self._collate(table, task, [rows[ids[s]] for s in slots], plan["drop"][slots],
                                      plan["targets"][slots], [ids[s] for s in slots], lengths))
+        seen: dict[int, int] = {}
+        repeats = []                          # each slot's repeat of its id in the global batch (0: the first)
+        for i in ids:
+            repeats.append(seen.get(i, 0))
+            seen[i] = seen.get(i, 0) + 1
+        if len(seen) < len(ids):
+            for j in range(n_micro):
+                slots = [s for s in range(bounds[j], bounds[j + 1]) if ids[s] in rows]
+                out[j].repeats = [repeats[s] for s in slots]
+        out[0].rows_asked, out[0].rows_unreadable = len(mine), len(missing)
         return out
+
+    def account_reads(self, unreadable: int, asked: int) -> None:
+        """A step's reads summed over every rank: the run's read-error budget, decided with the same figures on every
+        rank (so every rank stops at the same step, or none). The budget is ``data.max_error_rate`` of the rows read
+        so far, and never less than that share of the store's rows (the startup check's measure): one bad row in the
+        first steps of a long run does not end it."""
+        self.read_errors += int(unreadable)
+        self.samples_read += int(asked)
+        rate = self.cfg.data.max_error_rate
+        if self.read_errors > rate * max(self.samples_read, self.total_rows):
+            raise UserError(f"store {self.store}: {self.read_errors} of the {self.samples_read} samples read so far "
+                            f"over every rank were unreadable (> data.max_error_rate = {rate} of "
+                            f"max(rows read, the store's {self.total_rows} rows)); "
+                            + (f"this rank's last: {self.last_unreadable}. " if self.last_unreadable else "")
+                            + "Re-run 'difftrain prepare' to rewrite the damaged fragments.")
 
     def _text_lengths(self, table: _Table, plan: dict) -> int:
         """Text length every micro-batch of the step is padded to, the same however the global batch is split:
@@ -606,7 +636,8 @@ class StoreLoader:
         return {"kind": "store", "order": ORDER, "step": self.step, "stage": stage_at(self.stages, self.step).name,
                 "positions": positions,
                 "global_batches": {f"{s.name}/{b.name}": b.global_batch for s in self.stages for b in s.buckets},
-                "versions": {n: t.version for n, t in self.tables.items()}, "read_errors": self.read_errors}
+                "versions": {n: t.version for n, t in self.tables.items()}, "read_errors": self.read_errors,
+                "samples_read": self.samples_read}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "store":
@@ -636,4 +667,7 @@ class StoreLoader:
             for s in streams:
                 s.epoch, s.pos = state["positions"].get(s.name, [0, 0])
         self._consumed = self._positions()
+        # the run's totals over every rank (a checkpoint from before they were kept says rank 0's errors and no
+        # reads: the budget's floor, the store's rows, then keeps one bad row from ending every later resume)
         self.read_errors = int(state.get("read_errors", 0))
+        self.samples_read = int(state.get("samples_read", 0))

@@ -114,19 +114,24 @@ def flow_loss(v_pred_BLC: Tensor, x0_BLC: Tensor, eps_BLC: Tensor, mask_BL: Tens
     return (err * m).sum() / denom
 
 
-def sample_generator(seed: int, step: int, sample_id: int, device: torch.device | str = "cpu") -> torch.Generator:
+def sample_generator(seed: int, step: int, sample_id: int, device: torch.device | str = "cpu",
+                     repeat: int = 0) -> torch.Generator:
     """The generator of one training sample's draws: a function of (seed, step, global sample index) only,
-    never of a rank's state, so a global batch draws the same numbers however it is split over ranks."""
-    state = np.random.SeedSequence([seed, step, sample_id]).generate_state(2, dtype=np.uint32)
+    never of a rank's state, so a global batch draws the same numbers however it is split over ranks. ``repeat``
+    (> 0: the id's n-th repeat in its global batch) keys a draw of its own, so two slots of one id never share
+    noise and timestep."""
+    key = [seed, step, sample_id] + ([repeat] if repeat else [])
+    state = np.random.SeedSequence(key).generate_state(2, dtype=np.uint32)
     return torch.Generator(device=device).manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
 
 
 def draw_t_and_noise(spec: FlowSpec, seed: int, step: int, sample_ids: list[int], shape_LC: tuple[int, int],
-                     image_tokens: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+                     image_tokens: int, device: torch.device | str = "cpu",
+                     repeats: list[int] | None = None) -> tuple[Tensor, Tensor]:
     """Per-sample timesteps (B,) and noise (B, L, C), each sample from its own ``sample_generator``."""
     ts, eps = [], []
-    for sid in sample_ids:
-        gen = sample_generator(seed, step, sid, device)
+    for j, sid in enumerate(sample_ids):
+        gen = sample_generator(seed, step, sid, device, repeats[j] if repeats else 0)
         ts.append(sample_t(1, spec, image_tokens, gen, device))
         eps.append(torch.randn(shape_LC, generator=gen, device=device))
     return torch.cat(ts), torch.stack(eps)

@@ -216,17 +216,37 @@ left by an earlier attempt can answer."""
     return dist.PrefixStore(f"{base}/g{generation}", store)
 
 
-def set_collective_timeout(env: ParallelEnv, minutes: float) -> None:
-    """Set the collective timeout of every process group the run uses: the default group and the mesh's
-    (FSDP and context-parallel traffic runs on those, which otherwise keep the backend's default). Called
-    with the long start-up allowance (compilation, checkpoint loading), then tightened after the first
-    steps so that a hung rank is detected in minutes. Uses c10d's private setter (no public API yet)."""
+def set_collective_timeout(env: ParallelEnv, minutes: float, extra=()) -> None:
+    """Set the collective timeout of every process group the run uses: the default group, the mesh's (FSDP and
+    context-parallel traffic runs on those, which otherwise keep the backend's default) and ``extra`` (the
+    checkpointer's own gloo group). Called with the long start-up allowance (compilation, checkpoint loading),
+    then tightened after the first steps so that a hung rank is detected in minutes. Uses c10d's private setter
+    (no public API yet)."""
     setter = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
     if not dist.is_initialized() or setter is None or env.mesh is None:
         return
-    groups = {id(g): g for g in [dist.group.WORLD, *env.mesh.get_all_groups(), *env.fsdp_mesh().get_all_groups()]}
+    groups = {id(g): g for g in [dist.group.WORLD, *env.mesh.get_all_groups(), *env.fsdp_mesh().get_all_groups(),
+                                 *(g for g in extra if g is not None)]}
     for group in groups.values():
         setter(datetime.timedelta(minutes=minutes), group)
+
+
+def agree(error: str | None) -> str | None:
+    """The verdict, on every rank, of work some ranks did alone (rank 0 sealing a checkpoint, writing the export):
+    None when it succeeded everywhere, else the failed ranks' errors, the same text on every rank. A collective:
+    every rank calls it at the same point, so that a failure on one rank ends the others' wait at once instead of
+    leaving them in the next collective until the timeout."""
+    if not dist.is_initialized():
+        return error
+    flag = torch.tensor([0.0 if error is None else 1.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return None
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None) or "a rank failed"
 
 
 def broadcast_int(value: int, device: torch.device) -> int:

@@ -392,27 +392,52 @@ def write_weights(named: dict[str, torch.Tensor], cfg, out: Path, is_main: bool,
 
     entries = [(k, tuple(v.shape), out_dtype(v)) for k, v in named.items()]   # a DTensor's shape is the full one
     tmp = out / (EXPORT_WEIGHTS + ".tmp")
-    writer = None
+    from difftrain.parallel.dist import agree
+
+    def verdict(error: str | None) -> None:
+        """Rank 0 writes alone: every rank hears at once whether it could (else they would wait in the next
+        gather until the collective timeout)."""
+        said = agree(error)
+        if said is not None:
+            raise UserError(f"export to {out} failed: {said}")
+
+    writer, error = None, None
     if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        writer = SafetensorsStreamWriter(tmp, entries, {"format": EXPORT_FORMAT}).__enter__()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            writer = SafetensorsStreamWriter(tmp, entries, {"format": EXPORT_FORMAT}).__enter__()
+        except OSError as e:
+            error = f"{tmp}: cannot start the export ({e})"
+    verdict(error)
+
     try:
         for k, v in named.items():
             full = gather_to_main(v, is_main)
             if transform is not None:
                 full = transform(k, full)
+            error = None
             if writer is not None:
-                writer.write(k, full.to(out_dtype(v)))
+                try:
+                    writer.write(k, full.to(out_dtype(v)))
+                except OSError as e:
+                    error = f"{tmp}: writing {k} failed ({e})"
             del full
+            verdict(error)
     except BaseException as e:
         if writer is not None:
             writer.__exit__(type(e), e, None)
             tmp.unlink(missing_ok=True)
         raise
+    error = None
     if writer is not None:
-        writer.__exit__(None, None, None)
-        os.replace(tmp, out / EXPORT_WEIGHTS)
-        (out / "config.toml").write_text(to_toml(cfg))
+        try:
+            writer.__exit__(None, None, None)
+            os.replace(tmp, out / EXPORT_WEIGHTS)
+            (out / "config.toml").write_text(to_toml(cfg))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            error = f"{out}: finishing the export failed ({e})"
+    verdict(error)
     return out / EXPORT_WEIGHTS
 
 

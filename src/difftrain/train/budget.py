@@ -41,14 +41,18 @@ class TimeBudget:
         self.total_steps = max_steps
         self.fixed = minutes == 0
         self.clock = StepClock()
+        self.lr_anchor: tuple[int, float] | None = None     # (step, LR) kept when the length changed there
 
     def state_dict(self) -> dict:
-        return {"total_steps": self.total_steps, "budget_fixed": self.fixed}
+        return {"total_steps": self.total_steps, "budget_fixed": self.fixed,
+                "lr_anchor": list(self.lr_anchor) if self.lr_anchor else None}
 
     def load_state_dict(self, info: dict, saved_train: dict) -> None:
         """From a checkpoint; a run extended (or shortened) since keeps the new length and re-measures a budget."""
         self.total_steps = int(info["total_steps"])
         self.fixed = bool(info.get("budget_fixed", True))
+        anchor = info.get("lr_anchor")
+        self.lr_anchor = (int(anchor[0]), float(anchor[1])) if anchor else None
         if saved_train.get("steps", self.max_steps) != self.max_steps or \
                 saved_train.get("minutes", self.minutes) != self.minutes:
             self.total_steps, self.fixed = self.max_steps, self.minutes == 0

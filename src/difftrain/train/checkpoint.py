@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from difftrain.errors import UserError
+from difftrain.parallel.dist import agree
 from difftrain.train import faults, phases
 from difftrain.train.reader import PlainReader
 from difftrain.train.verification import (CHUNK as _CHUNK, MARKER, Digest, file_digest, marker_files as _marker_files,
@@ -370,6 +371,7 @@ class Checkpointer:
         # Async writes synchronise over a gloo group of their own, so that they never interleave with the
         # training collectives of the default group (created collectively, by every rank, here).
         self._pg = dist.new_group(backend="gloo") if async_save and _distributed() else None
+        self.group = self._pg       # the trainer sets its collective timeout with the others
         self.completed: list[SaveResult] = []
         self.last_verify: dict | None = None
 
@@ -456,8 +458,18 @@ class Checkpointer:
                 self._abandon(partial, result)
                 raise UserError(f"checkpoint at step {step} failed, the previous one is intact: "
                                 f"{result.error or 'a write failed on another rank'}")
-            self._finish(partial, final, doc, result, t0, getattr(writer, "written", None))
-            _barrier()                           # no rank moves on (or exits) before the rename is done
+            sealed = None
+            try:
+                self._finish(partial, final, doc, result, t0, getattr(writer, "written", None))
+            except (OSError, UserError) as e:
+                sealed = f"{partial}: sealing the checkpoint failed ({e})"
+            # the verdict every rank sees (rank 0 sealed alone): no rank moves on, or exits, before the rename is
+            # done, and a failed seal is an error on every rank at once, not a wait in a barrier
+            verdict = agree(sealed)
+            if verdict is not None:
+                result.error = verdict
+                self._abandon(partial, result)
+                raise UserError(f"checkpoint at step {step} failed, the previous one is intact: {verdict}")
             result.stall_s = time.perf_counter() - t0
             self.completed.append(result)
             return result
@@ -522,6 +534,7 @@ class Checkpointer:
         if not _is_rank0():
             result.write_s = time.perf_counter() - t0
             return
+        faults.seal_fails(result.step)
         with phases.phase("seal"):
             self._seal(partial, final, doc, result, t0, written)
 

@@ -16,7 +16,11 @@ in the metrics. Kinds:
   SIGKILLs itself (the restart must detect the damage and resume from the previous checkpoint);
 - ``truncate``: the same with that file cut to half its length (a shard a full disk or a lost write left short);
 - ``enospc_partial``: the checkpoint of STEP writes the rank's first shard file, cuts it to half its length and
-  fails with ENOSPC (a disk that filled up part way through a shard).
+  fails with ENOSPC (a disk that filled up part way through a shard);
+- ``unreadable``: a store-fed rank's first row of step STEP reads as damaged (the row is left out of the step and
+  counted against ``data.max_error_rate``);
+- ``sealfail``: sealing the checkpoint of STEP fails on rank 0 alone (``trainer.json`` cannot be written: ENOSPC),
+  after every rank wrote its shards.
 
 ``DIFFTRAIN_SAMPLE_LOG=PATH`` makes every rank append, per step, the sample ids of its batches to
 ``PATH.rank<R>`` (JSON lines), so that a harness can check the sample stream for repeats and gaps.
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("kill", "killsave", "enospc", "erofs", "nan", "hang", "slow", "pause", "sigterm", "corrupt", "truncate",
-         "enospc_partial")
+         "enospc_partial", "unreadable", "sealfail")
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,21 @@ def nan_at(step: int) -> bool:
         return False
     _fire(f)
     return True
+
+
+def unreadable_at(step: int) -> bool:
+    """Whether this rank's first row of store step ``step`` is to read as damaged (once)."""
+    if not _state["faults"] or (f := _armed("unreadable", step)) is None:
+        return False
+    _fire(f)
+    return True
+
+
+def seal_fails(step: int) -> None:
+    """Called on rank 0 as it seals the checkpoint of ``step``: an ENOSPC there, once."""
+    if _state["faults"] and (f := _armed("sealfail", step)) is not None:
+        _fire(f)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "trainer.json")
 
 
 def before_marker(step: int) -> None:

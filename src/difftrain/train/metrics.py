@@ -51,6 +51,18 @@ class MetricsLogger:
             self._gauges[key] = Gauge(key, f"difftrain metric {name}", ["rank"], registry=self._registry)
         return self._gauges[key].labels(rank=str(self.rank))
 
+    def resumed_at(self, step: int) -> None:
+        """The run goes on from ``step`` (a restart, or a rollback to a checkpoint in this process): the TensorBoard
+        writer is reopened with ``purge_step`` = step + 1, so TensorBoard hides the earlier rows of the steps now
+        replayed and shows each step once (``metrics.jsonl`` stays append-only; ``report`` keeps a step's last
+        row)."""
+        if self._tb is None:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb.close()
+        self._tb = SummaryWriter(str(self.path.parent / "tb"), purge_step=step + 1)
+
     def log(self, step: int, values: dict[str, Any]) -> None:
         numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._gauges is not None:

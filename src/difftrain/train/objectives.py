@@ -127,7 +127,7 @@ class FlowMatching:
         b = model.on_device(batch)
         _, H, W = b.grid
         t, eps = draw_t_and_noise(self.spec, seed, step, b.sample_ids, tuple(b.x0_BLC.shape[1:]),
-                                  (H // 2) * (W // 2), model.device)
+                                  (H // 2) * (W // 2), model.device, b.repeats)
         xt = noisy_input(b.x0_BLC, eps, t, b.loss_mask_BL)
         emb = model.embed_text(b)
         out, xt = model(b, xt, t, emb)

@@ -147,6 +147,8 @@ class Trainer:
         self.source, self.preview_prompts = source, None
         self.loader = source.build(self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
                                    self.device, self.micro_batch)
+        if hasattr(self.loader, "fault_hook"):       # DIFFTRAIN_FAULTS=unreadable@STEP: a row read as damaged
+            self.loader.fault_hook = faults.unreadable_at
         self.step = self.samples_seen = self.restarts = 0
         self.train_seconds = self.stall_s = 0.0
         self.budget = TimeBudget(tc.steps, tc.minutes, self._mean_over_ranks)
@@ -279,13 +281,34 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         info = Checkpointer.load(path, self.model, self.optimizer, self.ema)
         self.step = int(info["step"])
+        self.metrics.resumed_at(self.step)          # TensorBoard: the steps replayed from here show once
         self.loader.load_state_dict(info["loader"])
+        saved_total = int(info["total_steps"])
         self.budget.load_state_dict(info, info.get("config", {}).get("train", {}))
+        if self.total_steps != saved_total and self.step > 0:
+            self._replan_lr(saved_total)
         self.health.load_state_dict(info)
         self.train_seconds = float(info.get("train_seconds", 0.0))
         self.samples_seen = int(info.get("samples_seen", 0))
         self.restarts = int(info.get("restarts", 0))
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _replan_lr(self, saved_total: int) -> None:
+        """The run's length changed since its checkpoint: the LR schedule goes on as ``train.schedule_change`` says
+        (the cosine is a function of the total, so taken as is the LR would jump here), and says so."""
+        tc = self.cfg.train
+        shape = (tc.warmup_steps, tc.schedule, tc.min_lr_ratio)
+        before = lr_at(self.step, tc.lr, saved_total, *shape, self.budget.lr_anchor)
+        follow = lr_at(self.step, tc.lr, self.total_steps, *shape)
+        keep = tc.schedule_change == "keep_lr" and tc.schedule == "cosine" and self.step >= tc.warmup_steps
+        self.budget.lr_anchor = (self.step, before) if keep else None
+        log.warning("the run's length changed from %d to %d steps at step %d: the LR there is %.4g on the old "
+                    "schedule and %.4g on the new one; it goes on %s (train.schedule_change = %r)", saved_total,
+                    self.total_steps, self.step, before, follow,
+                    f"from {before:.4g}, decaying to the new end" if keep else f"at {follow:.4g}", tc.schedule_change)
+        self.metrics.event("schedule_change", self.step, old_total=saved_total, new_total=self.total_steps,
+                           lr_old_schedule=before, lr_new_schedule=follow, lr=before if keep else follow,
+                           mode=tc.schedule_change)
 
     def _checkpoint_event(self, kind: str, step: int, **info) -> None:
         """The checkpointer's events (rank 0), into events.jsonl; a written checkpoint also updates what a
@@ -314,7 +337,8 @@ class Trainer:
         """One optimizer step on this rank's micro-batches. A non-finite loss or gradient norm (the same
         verdict on every rank: both are reduced over ranks) skips the update: no optimizer or EMA step."""
         tc = self.cfg.train
-        lr = lr_at(self.step, tc.lr, self.total_steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio)
+        lr = lr_at(self.step, tc.lr, self.total_steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio,
+                   self.budget.lr_anchor)
         lr *= self.health.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -355,11 +379,16 @@ class Trainer:
                                                     counts[1]]).tolist()
         t1 = time.perf_counter()
         stop_flag = 1.0 if self.preemption.requested else 0.0
-        # The other: one all-reduce of the loss, tokens, FLOPs and the stop flag (every rank stops after the same
-        # step; the logged loss is global).
-        loss_sum, tokens, flops, stop = all_reduce_sum([loss_local, tokens, flops, stop_flag], self.device)
+        asked, unreadable = sum(b.rows_asked for b in batches), sum(b.rows_unreadable for b in batches)
+        # The other: one all-reduce of the loss, tokens, FLOPs, the stop flag (every rank stops after the same
+        # step; the logged loss is global) and the store's reads (the read-error budget, decided on every rank).
+        loss_sum, tokens, flops, stop, asked, unreadable = all_reduce_sum(
+            [loss_local, tokens, flops, stop_flag, float(asked), float(unreadable)], self.device)
         t2 = time.perf_counter()
         wait += t2 - t1
+        account = getattr(self.loader, "account_reads", None)
+        if account is not None and asked:
+            account(round(unreadable), round(asked))
         skipped = not math.isfinite(loss_sum) or not math.isfinite(gnorm)
         self.stall_s += self.checkpointer.wait_staged()     # a save's copy of the state is complete
         if not skipped:
@@ -464,7 +493,7 @@ class Trainer:
         """Times and counters of a finished step: the time budget, stragglers, the collective timeout."""
         self.watchdog.mark_steady()          # a step has finished: from now on hang_seconds applies
         if self.step >= self.cfg.parallel.startup_steps and not self.timeout_tightened:
-            set_collective_timeout(self.env, self.cfg.parallel.timeout_minutes)
+            set_collective_timeout(self.env, self.cfg.parallel.timeout_minutes, [self.checkpointer.group])
             self.timeout_tightened = True
         self.train_seconds += fetched.data_s + fetched.step_s
         self.lead.step(fetched.data_s + fetched.step_s)
