@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from difftrain.config.load import from_dict
-from difftrain.data import store as st
+from difftrain.data.store import tables as st
 from difftrain.config.stages import parse_stages
 
 
@@ -115,7 +115,7 @@ def write_store(store: str, cfg, n: int, latents=None) -> st.TableInfo:
 
 
 def loader_rate(cfg, steps: int) -> float:
-    from difftrain.data.store_loader import StoreLoader
+    from difftrain.data.store.loader import StoreLoader
     loader = StoreLoader(cfg, lambda p: {"ids": torch.zeros(len(p), 1, dtype=torch.long)})
     next(loader)                          # open, first fill
     t0, n = time.perf_counter(), 0
@@ -146,7 +146,7 @@ def bandwidth_part(root: Path, vae: str, n: int, threads: int) -> dict:
 def on_the_fly_part(root: Path, vae_path: str, n_images: int, threads: int) -> dict:
     from PIL import Image
 
-    from difftrain.data.prepare import resize_cover_crop
+    from difftrain.data.prepare.job import resize_cover_crop
     from difftrain.models.autoencoder import DiffusersAE
 
     rng = np.random.default_rng(1)
@@ -262,8 +262,8 @@ class SlowFS:
 def slow_rank(rank: int, cfg_dict: dict, delay_s: float, steps: int, epoch: int, step_s: float, barrier, out) -> None:
     """Data rank ``rank`` of 2 over the slow store: ``steps`` steps of ``step_s`` compute; its data waits and its
     read counters after the first ``epoch`` steps and at the end."""
-    from difftrain.data import node_cache
-    from difftrain.data.store_loader import StoreLoader
+    from difftrain.data.store import node_cache
+    from difftrain.data.store.loader import StoreLoader
 
     real = node_cache.store_fs
     node_cache.store_fs = lambda uri: (SlowFS(real(uri)[0], delay_s), real(uri)[1])

@@ -35,7 +35,7 @@ import torch
 
 from difftrain.config import from_dict
 from difftrain.config.stages import parse_stages
-from difftrain.data import store as st
+from difftrain.data.store import tables as st
 
 SOURCES = ("laion_aesthetic_part", "licensed_stock_photos", "curated_highres")
 TXT_DIM, POOLED_DIM = 8, 4
@@ -87,7 +87,7 @@ def write_index_store(store: str, cfg, n: int, chunk: int = 5_000_000) -> None:
 
 
 def measure(store: str, n: int, batch: int, steps: int) -> dict:
-    from difftrain.data.store_loader import StoreLoader
+    from difftrain.data.store.loader import StoreLoader
 
     cfg = cfg_for(store, batch)
     write_index_store(store, cfg, n)

@@ -33,8 +33,8 @@ import json, sys, threading, time
 import numpy as np
 import torch
 torch.set_num_threads(1)
-from difftrain.data.pairs import EncodedPairs
-from difftrain.data.pairs_loader import PairsLoader
+from difftrain.data.store.pairs import EncodedPairs
+from difftrain.data.store.pairs_loader import PairsLoader
 from difftrain.models.autoencoder import build_autoencoder
 what, path = sys.argv[1], sys.argv[2]
 settings = {"autoencoder": {"kind": "pixel-unshuffle", "factor": 8}, "latent_dtype": "bf16"}
@@ -81,7 +81,7 @@ def make_pairs(folder: Path, pairs: int, size: int = 64) -> Path:
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from difftrain.data.pairs import PAIR_COLUMNS
+    from difftrain.data.store.pairs import PAIR_COLUMNS
 
     rng = np.random.default_rng(0)
     prompts = -(-pairs // 6)

@@ -154,7 +154,7 @@ def synthetic_cfg(manifest: Path, store: Path, *extra: str):
 
 
 def dry_run(root: Path, n: int) -> dict:
-    from difftrain.data.prepare import prepare
+    from difftrain.data.prepare.job import prepare
 
     cfg = synthetic_cfg(synthetic_manifest(root, n), root / "stores" / "dry")
     with PeakRSS() as rss:
@@ -165,7 +165,7 @@ def dry_run(root: Path, n: int) -> dict:
 
 
 def encode_run(root: Path, n: int, actors: int, vae: str) -> dict:
-    from difftrain.data.prepare import prepare
+    from difftrain.data.prepare.job import prepare
 
     store = root / "stores" / f"enc-{n}-{actors}"
     shutil.rmtree(store, ignore_errors=True)
@@ -183,8 +183,8 @@ def encode_run(root: Path, n: int, actors: int, vae: str) -> dict:
 
 def near_dup_recall(cfg, distance: int) -> dict:
     """The Ray job's near-duplicate drops against the rule over all pairs, for the rows that reach the filter."""
-    from difftrain.data.curation_ops import check_sources, curated_dataset
-    from difftrain.data.near_dup import near_dup_keepers
+    from difftrain.data.prepare.curation_ops import check_sources, curated_dataset
+    from difftrain.data.prepare.near_dup import near_dup_keepers
 
     ds, stats = curated_dataset(cfg, check_sources(cfg))
     ids, hashes, dropped = [], [], set()
@@ -240,7 +240,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for n in sorted(set(args.sizes) | set(args.dry_rows) | set(args.recall_rows)):   # the data: not in any figure
         synthetic_manifest(root, n)
-    from difftrain.data.prepare import start_ray
+    from difftrain.data.prepare.job import start_ray
     start_ray(num_cpus=args.cpus)
     out: dict = {"cores": os.cpu_count(), "ray_cpus": args.cpus}
     dry = {str(n): _progress(f"dry {n}", dry_run(root, n)) for n in sorted(args.dry_rows)}

@@ -18,7 +18,7 @@ TINY = [
 def ray_local():
     """One local Ray for every test module that prepares a store (starting Ray costs seconds). Three logical
     CPUs (on however many cores): room for two encoder actors and a decode task."""
-    from difftrain.data.prepare import start_ray
+    from difftrain.data.prepare.job import start_ray
     ray = start_ray(num_cpus=3)
     yield ray
     ray.shutdown()

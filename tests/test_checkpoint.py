@@ -405,7 +405,7 @@ def test_the_writer_copies_a_device_shard_to_the_host_in_bounded_pieces(tmp_path
 
     from safetensors import safe_open
 
-    from difftrain.train import checkpoint as ck
+    from difftrain.train import checkpoint_write as ck
 
     chunk = 1024
     monkeypatch.setattr(ck, "_CHUNK", chunk)

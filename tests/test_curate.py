@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from difftrain.data.curate import (Facts, apply_filters, facts_for, hamming, near_dup_pairs, read_record,
+from difftrain.data.prepare.curate import (Facts, apply_filters, facts_for, hamming, near_dup_pairs, read_record,
                                    reason_counts, record_extra, write_record)
-from difftrain.data.ingest import RawSample
+from difftrain.data.prepare.ingest import RawSample
 from difftrain.errors import UserError
 
 
@@ -278,7 +278,7 @@ def test_near_dup_window_bounds_the_comparisons_on_skewed_hashes():
     """Distinct hashes sharing their top 48 bits fill one bucket of three bands of four: compared within the
     window, a row costs at most (distance + 1) x window comparisons; a window as large as the bucket finds every
     pair, as brute force does."""
-    from difftrain.data.near_dup import near_dup_keepers
+    from difftrain.data.prepare.near_dup import near_dup_keepers
 
     rng = random.Random(5)
     top = rng.getrandbits(48) << 16

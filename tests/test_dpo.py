@@ -153,7 +153,7 @@ def test_pickapic_layout_is_read_and_ties_dropped(tmp_path):
     import pyarrow.parquet as pq
 
     from difftrain.align.pairs import pickapic_pairs
-    from difftrain.data.pairs import read_pairs
+    from difftrain.data.store.pairs import read_pairs
 
     def jpg(shade):
         buf = io.BytesIO()

@@ -257,7 +257,7 @@ def test_a_pairs_file_is_checked_row_by_row_before_any_encoding(tmp_path):
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from difftrain.data.pairs import PAIR_COLUMNS, EncodedPairs
+    from difftrain.data.store.pairs import PAIR_COLUMNS, EncodedPairs
     from difftrain.errors import UserError
     from difftrain.models.autoencoder import build_autoencoder
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from difftrain.data.pairs import PAIR_COLUMNS, EncodedPairs
+from difftrain.data.store.pairs import PAIR_COLUMNS, EncodedPairs
 
 from test_encoders import tiny  # noqa: F401 - fixture: real tiny T5 + CLIP on disk
 
@@ -44,7 +44,7 @@ def _pairs_file(folder, per_prompt: int = 2):
 
 def test_dpo_with_frozen_text_encoders_encodes_each_prompt_once_and_never_runs_them_while_training(
         tiny, tiny_cfg, tmp_path):
-    from difftrain.data.store import encoder_identity
+    from difftrain.data.store.tables import encoder_identity
     from difftrain.models.hf_text import HFTextEncoder
     from difftrain.train import build_trainer
     from difftrain.train.dpo import build_dpo_trainer

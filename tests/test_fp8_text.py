@@ -82,7 +82,7 @@ def test_fp8_keeps_wo_and_stays_close_while_quantizing_wo_fails(outlier_t5, monk
 
 
 def test_fp8_is_in_the_store_key_only_when_asked_and_refused_without_t5(tiny_cfg, outlier_t5):
-    from difftrain.data.store import encoder_identity
+    from difftrain.data.store.tables import encoder_identity
     from difftrain.errors import UserError
     from difftrain.models.hf_text import HFTextEncoder
 

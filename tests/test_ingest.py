@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from difftrain.data.ingest import RawSample, RefError, ShardError, iter_source, read_ref
+from difftrain.data.prepare.ingest import RawSample, iter_source
+from difftrain.data.prepare.refs import RefError, ShardError, read_ref
 from difftrain.errors import UserError
 
 

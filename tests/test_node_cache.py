@@ -23,9 +23,9 @@ import torch
 
 from difftrain.config.load import from_dict
 from difftrain.config.stages import parse_stages
-from difftrain.data import store as st
+from difftrain.data.store import tables as st
 from difftrain.data.batch import frames_of
-from difftrain.data.store_loader import StoreLoader
+from difftrain.data.store.loader import StoreLoader
 
 FACTOR = 4
 SIDE = 128                 # 48 x 32 x 32 bf16 = 96 KiB a latent: Lance keeps it in a blob sidecar file
@@ -264,7 +264,7 @@ import json, logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
 sys.path.insert(0, {tests!r})
 from test_node_cache import make_cfg, tokenize, checked_ids, drain
-from difftrain.data.store_loader import StoreLoader
+from difftrain.data.store.loader import StoreLoader
 ld = StoreLoader(make_cfg({store!r}, cache_dir=sys.argv[1], cache_gb=1.0, cache_lookahead=4), tokenize, 0, 4)
 ids = [checked_ids(next(ld)) for _ in range(6)]
 drain(ld)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from difftrain.config import load_config, preset_path
-from difftrain.data import store as st
-from difftrain.data.curate import read_record
-from difftrain.data.prepare import prepare, resize_cover_crop
+from difftrain.data.store import tables as st
+from difftrain.data.prepare.curate import read_record
+from difftrain.data.prepare.job import prepare, resize_cover_crop
 from difftrain.shapes.export import export_shapes
 from difftrain.errors import UserError
 
@@ -113,7 +113,7 @@ def test_tables_hold_buckets_with_divisible_sides_and_the_crop(prepared, export)
         # a t2i row decodes back to the resized, cropped image (pixel-unshuffle is exact; bf16 rounds)
         if task == "t2i":
             from PIL import Image
-            from difftrain.data.ingest import read_ref
+            from difftrain.data.prepare.refs import read_ref
             import io
             sid, lat = ids[0], np.frombuffer(ds.take_blobs("latents", indices=[0])[0].read(), np.uint16)
             x = st.from_bits(lat, "bf16").reshape(1, (h // 16) * (w // 16), 192 * 4)
@@ -229,7 +229,7 @@ def test_frozen_text_encoders_store_embeddings_the_trainer_reads(ray_local, expo
     """text.kind = 'hf' with a diffusers AutoencoderKL: prepare stores T5/CLIP embeddings at their true length;
     the loader serves them (the empty prompt's for caption dropout) and the trainer uses them instead of
     running the encoders."""
-    from difftrain.data.store_loader import StoreLoader
+    from difftrain.data.store.loader import StoreLoader
     from difftrain.models import build_text_encoder
     from difftrain.train import build_trainer
 
@@ -309,7 +309,7 @@ def test_text_the_dit_gets_in_a_store_fed_step_is_what_sample_feeds_it(ray_local
     loader (captions dropped included) and given to the DiT by a training step equal, position for attended
     position, the states 'sample' gives it for the same captions (conditional) and for the dropped ones (CFG's
     unconditional branch), with the same masks; and the DiT's output on them is the same."""
-    from difftrain.data.store_loader import StoreLoader
+    from difftrain.data.store.loader import StoreLoader
     from difftrain.train import build_trainer
 
     store = tmp_path / rule

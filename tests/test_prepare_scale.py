@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from difftrain.config import load_config, preset_path
-from difftrain.data import store as st
-from difftrain.data.curate import hamming, read_record, record_extra
-from difftrain.data.prepare import prepare
-from difftrain.data.prepare_plan import encoder_plan
+from difftrain.data.store import tables as st
+from difftrain.data.prepare.curate import hamming, read_record, record_extra
+from difftrain.data.prepare.job import prepare
+from difftrain.data.prepare.plan import encoder_plan
 from difftrain.errors import UserError
 from difftrain.shapes.export import export_shapes
 
@@ -55,7 +55,7 @@ def test_curation_of_the_shapes_export_reproduces_the_fixture(ray_local, shapes_
     """The kept set and every reason, row for row, as the curation of the shapes export recorded before
     curation ran on Ray Data (tests/fixtures/shapes_curation.parquet). Facts are read in Ray tasks: this process
     cannot compute them."""
-    from difftrain.data import curate
+    from difftrain.data.prepare import curate
 
     def no_facts_here(sample):
         raise AssertionError("facts computed on the driver")
@@ -237,7 +237,7 @@ def test_near_dup_on_ray_is_the_in_memory_rule_with_bounded_comparisons(ray_loca
     import pyarrow as pa
     import ray.data
 
-    from difftrain.data.near_dup import near_dup_dataset, near_dup_keepers
+    from difftrain.data.prepare.near_dup import near_dup_dataset, near_dup_keepers
 
     ids, hashes = skewed_hashes()
     reasons = ["size: min_side" if i % 17 == 0 else "" for i in range(len(ids))]     # dropped before: left alone

@@ -177,7 +177,7 @@ def test_an_id_twice_in_one_global_batch_is_drawn_apart(store):
     """A stream whose batch crosses an epoch boundary can hold an id twice in one global batch (the tail of one
     permutation and the head of the next): each slot is keyed by its repeat, so the two draw other noise and
     timestep; an id's first slot draws what it always drew."""
-    from difftrain.data.store_loader import StoreLoader
+    from difftrain.data.store.loader import StoreLoader
     from difftrain.diffusion.flow import FlowSpec, draw_t_and_noise
 
     from test_store_loader import make_cfg, tokenize

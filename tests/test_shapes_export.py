@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from difftrain.data.curate import apply_filters, facts_for, hamming, read_record, reason_counts, write_record
-from difftrain.data.ingest import iter_source
+from difftrain.data.prepare.curate import apply_filters, facts_for, hamming, read_record, reason_counts, write_record
+from difftrain.data.prepare.ingest import iter_source
 from difftrain.shapes.world import ShapesWorld
 from difftrain.shapes.export import (DEGRADED_KINDS, NEAR_DUP_MAX_BITS, SOURCE_NAMES, SPECIAL_KINDS,
                                           canvas_size, centre_crop, export_shapes, export_sources, widen)

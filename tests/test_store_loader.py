@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from difftrain.config.load import from_dict
-from difftrain.data import store as st
+from difftrain.data.store import tables as st
 from difftrain.config.stages import parse_stages
-from difftrain.data.store_loader import StoreLoader
+from difftrain.data.store.loader import StoreLoader
 from difftrain.errors import UserError
 
 FACTOR = 4                      # pixel-unshuffle x4: 16 x 16 images are 4 x 4 latents of 48 channels
@@ -263,7 +263,7 @@ def test_node_cache_copies_ahead_and_reads_locally(store, tmp_path):
 def test_node_cache_evicts_least_recently_wanted(tmp_path):
     """A fragment that does not fit makes room by evicting the fragment wanted least recently, never one this
     process still wants; the folder stays under the limit."""
-    from difftrain.data.node_cache import NodeCache
+    from difftrain.data.store.node_cache import NodeCache
 
     store = str(tmp_path / "store")
     cfg = make_cfg(store, stages=[STAGES[0]])
@@ -370,7 +370,7 @@ def test_previews_of_a_store_run_use_its_own_captions_or_a_prompts_file(tmp_path
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 1000, 1_000_000])
 def test_each_epoch_is_a_keyed_permutation_computed_for_the_positions_taken(n):
-    from difftrain.data.store_loader import keyed_order
+    from difftrain.data.store.streams import keyed_order
 
     whole = keyed_order(n, [3, 303, 0, 7, 0], np.arange(n))
     assert np.array_equal(np.sort(whole), np.arange(n))                  # every id once per epoch

@@ -240,7 +240,7 @@ def cmd_bench(args) -> int:
 
 def cmd_prepare(args) -> int:
     from difftrain.config import load_config
-    from difftrain.data.prepare import prepare
+    from difftrain.data.prepare.job import prepare
 
     cfg = load_config(resolve_config(args.config), args.overrides)
     check_positive("--commit-every", args.commit_every)

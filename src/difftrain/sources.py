@@ -36,7 +36,7 @@ class ConfiguredSource:
         """The word vocabulary of the data (for ``text.kind = 'words'``): the shapes world's, or the one
         ``difftrain prepare`` recorded from the store's captions."""
         if self.cfg.data.source == "store":
-            from difftrain.data.store import read_manifest
+            from difftrain.data.store.tables import read_manifest
             manifest = read_manifest(self.cfg.data.store)
             if manifest is None:
                 raise UserError(f"data.store = {self.cfg.data.store!r}: no store there; run 'difftrain prepare "
@@ -61,7 +61,7 @@ class ConfiguredSource:
             return prompts[:n]
         if self.cfg.data.source != "store":
             return None
-        from difftrain.data.store import store_captions
+        from difftrain.data.store.tables import store_captions
         prompts = store_captions(self.cfg.data.store, n)
         if not prompts:
             raise UserError(f"data.store = {self.cfg.data.store!r}: no captions in its text-to-image tables to "
@@ -73,7 +73,7 @@ class ConfiguredSource:
         """The source serving data rank ``rank`` of ``num_ranks``."""
         cfg, d = self.cfg, self.cfg.data
         if d.source == "store":
-            from difftrain.data.store_loader import StoreLoader
+            from difftrain.data.store.loader import StoreLoader
             tokenize = None if cfg.text.kind == "hf" else text_encoder.tokenize   # frozen encoders: stored states
             return StoreLoader(cfg, tokenize, rank, num_ranks, device)
         from difftrain.shapes import world_from_config

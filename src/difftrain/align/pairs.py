@@ -141,7 +141,7 @@ def write_pairs(rows: list[dict], out: Path, meta: dict) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from difftrain.data.pairs import PAIR_COLUMNS
+    from difftrain.data.store.pairs import PAIR_COLUMNS
 
     if not rows:
         raise UserError("no pairs: every ranked pair was a tie (or nothing was ranked)")
@@ -161,7 +161,7 @@ def write_pairs(rows: list[dict], out: Path, meta: dict) -> dict:
 def pickapic_pairs(path: str | Path, out: str | Path, validation: float = 0.1, seed: int = 0,
                    image_size: int = 0) -> dict:
     """Pairs from a file in the Pick-a-Pic layout; ties (label_0 = 0.5) dropped."""
-    from difftrain.data.pairs import read_table
+    from difftrain.data.store.pairs import read_table
 
     p = Path(path)
     if not p.is_file():

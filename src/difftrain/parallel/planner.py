@@ -109,10 +109,10 @@ class _Ctx:
 
 
 def staging_bytes(m: Inventory, s: Strategy, gpus: int, ema: bool, async_save: bool) -> int:
-    """Host bytes one rank's checkpoint staging holds. Async: its save share (``checkpoint.save_share``): the
+    """Host bytes one rank's checkpoint staging holds. Async: its save share (``checkpoint_write.save_share``): the
     FSDP shard's fp32 params, AdamW moments (and step counters) and EMA, divided over the dp_replicate replicas
     that hold the same shard, and the replicated text encoder's state divided over every rank. Blocking: the one
-    reused piece each write goes through (``checkpoint.host_pieces``)."""
+    reused piece each write goes through (``checkpoint_write.host_pieces``)."""
     if not async_save:
         return STAGING_PIECE_BYTES
     W = s.dp_shard * s.cp

@@ -222,7 +222,7 @@ def export_shapes(out_dir: str | os.PathLike, *, seed: int = 0, n: tuple[int, in
     ``size_weights``: the share of scenes at each of ``sizes`` (default: uniform); ``aspects_by_size``: the aspects
     a scene of each size is placed at (default: every one of ``aspects``), so no scene lands on a canvas no
     bucket has."""
-    from difftrain.data.curate import hamming, phash_of_array
+    from difftrain.data.prepare.curate import hamming, phash_of_array
 
     n_t2i, n_edit, n_key = (int(x) for x in n)
     if min(n_t2i, n_edit, n_key) < 0:

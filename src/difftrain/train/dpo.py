@@ -86,9 +86,9 @@ class PairsSource:
         return None
 
     def build(self, autoencoder, text_encoder, rank: int = 0, num_ranks: int = 1, device="cpu", micro_batch: int = 0):
-        from difftrain.data.pairs import EncodedPairs
-        from difftrain.data.pairs_loader import PairsLoader
-        from difftrain.data.store import encoder_identity
+        from difftrain.data.store.pairs import EncodedPairs
+        from difftrain.data.store.pairs_loader import PairsLoader
+        from difftrain.data.store.tables import encoder_identity
 
         # The store's cache key: the encoders' identity (the text rule included) and how latents are kept.
         settings = {**encoder_identity(self.cfg), "latent_dtype": self.cfg.data.latent_dtype}

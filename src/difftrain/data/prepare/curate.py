@@ -23,8 +23,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from difftrain.data.ingest import RawSample, RefError, read_ref
-from difftrain.data.near_dup import WINDOW, bands, near_dup_keepers
+from difftrain.data.prepare.ingest import RawSample
+from difftrain.data.prepare.refs import RefError, read_ref
+from difftrain.data.prepare.near_dup import WINDOW, bands, near_dup_keepers
 from difftrain.errors import UserError
 
 _U64 = (1 << 64) - 1

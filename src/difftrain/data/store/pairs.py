@@ -16,7 +16,7 @@ never mixes. It holds
 It is written to a temporary folder and renamed (a killed encode leaves no cache), and read memory-mapped: a
 step reads its own pairs' rows, so a rank's memory does not grow with the file (``bench/pairs_scale.py``).
 
-The loader is ``data/pairs_loader.py``.
+The loader is ``data/store/pairs_loader.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from difftrain.data import store as st
+from difftrain.data.store import tables as st
 from difftrain.data.batch import Batch, assemble_packed
 from difftrain.errors import UserError
 from difftrain.models.text import TextEmbedding, pad_tokens, text_length

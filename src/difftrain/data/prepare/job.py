@@ -32,11 +32,11 @@ import numpy as np
 from difftrain.config.autoencoder import autoencoder_geometry
 from difftrain.config.load import to_dict
 from difftrain.config.stages import parse_stages
-from difftrain.data import store as st
-from difftrain.data.curation_ops import (RECORD_NAME, StagedRecord, check_sources, curated_dataset, local_path,
+from difftrain.data.store import tables as st
+from difftrain.data.prepare.curation_ops import (RECORD_NAME, StagedRecord, check_sources, curated_dataset, local_path,
                                          reason_tally, user_error_in)
-from difftrain.data.ingest import TASKS
-from difftrain.data.prepare_plan import (PLAN_COLUMNS, encoder_counts, encoder_plan, missing_rows, table_rows,
+from difftrain.data.prepare.ingest import TASKS
+from difftrain.data.prepare.plan import (PLAN_COLUMNS, encoder_counts, encoder_plan, missing_rows, table_rows,
                                          table_tally, table_versions)
 from difftrain.errors import UserError
 
@@ -95,7 +95,7 @@ def _decode_batch(batch: dict) -> dict:
 
     from PIL import Image
 
-    from difftrain.data.ingest import read_ref
+    from difftrain.data.prepare.refs import read_ref
 
     out: dict[str, list] = defaultdict(list)
     for i in range(len(batch["sample_id"])):

@@ -24,7 +24,7 @@ from collections import Counter
 from functools import partial
 from typing import Any, Iterator
 
-from difftrain.data.curate import RECORD_SIDECAR
+from difftrain.data.prepare.curate import RECORD_SIDECAR
 from difftrain.errors import UserError
 
 LIST_BLOCK_ROWS = 4096          # rows a facts task reads (a few seconds of work): a source spreads over the workers
@@ -46,7 +46,7 @@ def _list_source(spec: dict) -> Iterator[Any]:
     """One source's raw samples as Arrow blocks (in a Ray read task)."""
     import pyarrow as pa
 
-    from difftrain.data.ingest import iter_source
+    from difftrain.data.prepare.ingest import iter_source
 
     schema = _listing_schema()
     cols: dict[str, list] = {f.name: [] for f in schema}
@@ -87,7 +87,7 @@ def local_path(path: str) -> str:
 def check_sources(cfg) -> list[dict]:
     """``[[data.sources]]`` checked on the driver (names, kinds, paths given), with local paths made absolute;
     the listing happens in Ray tasks."""
-    from difftrain.data.ingest import _check_spec
+    from difftrain.data.prepare.ingest import _check_spec
 
     if not cfg.data.sources:
         raise UserError("data.sources is empty: add [[data.sources]] tables {name, kind, path} to the config")
@@ -107,8 +107,8 @@ def _facts_block(t):
     """Facts of every row, and the checks that come first: a decode failure, then an unreadable caption."""
     import pyarrow as pa
 
-    from difftrain.data.curate import facts_for
-    from difftrain.data.ingest import RawSample
+    from difftrain.data.prepare.curate import facts_for
+    from difftrain.data.prepare.ingest import RawSample
 
     rows = t.to_pylist()
     out: dict[str, list] = {"width": [], "height": [], "sha256": [], "phash": [], "error": [], "reason": []}
@@ -135,7 +135,7 @@ def _set_reasons(t, reasons: list[str]):
 
 def _row_filters_block(t, filters: list[dict]):
     """A run of per-row filters, in order: an alive row's reason is the first one it fails."""
-    from difftrain.data.curate import Facts, _caption_reason, _score_reason, _size_reason
+    from difftrain.data.prepare.curate import Facts, _caption_reason, _score_reason, _size_reason
 
     reasons = t["reason"].to_pylist()
     cols = {name: t[name].to_pylist() for name in ("width", "height", "caption", "scores")}
@@ -186,8 +186,8 @@ def curated_dataset(cfg, specs: list[dict]) -> tuple[Any, dict]:
     done."""
     import ray.data
 
-    from difftrain.data.curate import check_filters
-    from difftrain.data.near_dup import WINDOW, near_dup_dataset, sorted_by
+    from difftrain.data.prepare.curate import check_filters
+    from difftrain.data.prepare.near_dup import WINDOW, near_dup_dataset, sorted_by
 
     filters = check_filters(cfg.data.filters)
     ds = (ray.data.read_datasource(_source_listing(specs), override_num_blocks=len(specs))
@@ -222,7 +222,7 @@ def _tally_block(t, words: bool):
     """Rows per reason class and, with ``words``, the distinct words of the kept captions (kind, value, n)."""
     import pyarrow as pa
 
-    from difftrain.data.curate import reason_class
+    from difftrain.data.prepare.curate import reason_class
     from difftrain.words import words_of
 
     reasons = t["reason"].to_pylist()

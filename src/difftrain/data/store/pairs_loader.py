@@ -1,4 +1,4 @@
-"""The DPO pairs loader: the training pairs of an ``EncodedPairs`` (``data/pairs.py``), a step at a time.
+"""The DPO pairs loader: the training pairs of an ``EncodedPairs`` (``data/store/pairs.py``), a step at a time.
 
 The loader serves, per optimizer step, ``global_pairs`` pairs of one group (drawn per step from (seed, step),
 weighted by the groups' sizes), each group read in a fresh permutation every epoch (seeded by (seed, group,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from difftrain.data.batch import Batch
-from difftrain.data.pairs import EncodedPairs, Tokenize
+from difftrain.data.store.pairs import EncodedPairs, Tokenize
 from difftrain.errors import UserError
 
 

@@ -7,7 +7,7 @@ A source is a table from ``[[data.sources]]``::
 
 ``iter_source`` validates the table (a bad one raises ``UserError`` at call time), lists the source
 in a sorted, deterministic order and yields one ``RawSample`` per example. Images are only
-*referenced* here (``refs``); ``read_ref`` fetches their bytes later, and raises ``RefError`` for a
+*referenced* here (``refs``); ``refs.read_ref`` fetches their bytes later, and raises ``RefError`` for a
 per-sample fault (a missing file, a truncated tar member) so a caller can skip and count it.
 
 A ref is a local path, any fsspec URI (``memory://``, ``s3://``, ...) or ``SHARD.tar#member`` for a
@@ -35,18 +35,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import posixpath
 import re
-import tarfile
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import fsspec
 
 from difftrain.errors import UserError
+from difftrain.data.prepare.refs import _has_magic, _split_tar_ref, _to_ref
 
 TASKS: tuple[str, ...] = ("t2i", "edit", "keyframes")
 KINDS: tuple[str, ...] = ("folder", "manifest", "webdataset", "edit", "keyframes")
@@ -65,12 +62,6 @@ _FRAME_RE = re.compile(r"frame_(\d+)$")
 _MASK63 = (1 << 63) - 1
 
 
-class RefError(ValueError):
-    """An image reference that cannot be read: a per-sample fault, not a bad config."""
-
-
-class ShardError(UserError):
-    """A webdataset shard whose listing stopped early (a corrupt header) or that is not a tar at all."""
 
 
 @dataclass
@@ -90,165 +81,6 @@ class RawSample:
         return int.from_bytes(digest, "big") & _MASK63
 
 
-# --------------------------------------------------------------------------- refs
-
-
-def _has_magic(path: str) -> bool:
-    return any(c in path for c in "*?[")
-
-
-def _to_ref(fs: Any, path: str) -> str:
-    """How a listed file is referenced: a plain path on the local disk, a full URI elsewhere."""
-    if _is_local(fs):
-        return path
-    return fs.unstrip_protocol(path)
-
-
-def _is_local(fs: Any) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
-
-
-def _split_tar_ref(ref: str) -> tuple[str, str] | None:
-    """``("shard.tar", "member")`` for a tar-member ref, else None (a '#' elsewhere is part of a path)."""
-    pos = ref.find("#")
-    while pos != -1:
-        if ref[:pos].lower().endswith(".tar"):
-            return ref[:pos], ref[pos + 1:]
-        pos = ref.find("#", pos + 1)
-    return None
-
-
-def tar_ref(shard: str, member: str) -> str:
-    """The ref of one member of a tar shard."""
-    return f"{shard}#{member}"
-
-
-def read_ref(ref: str) -> bytes:
-    """The bytes a ref points at; raises RefError (naming the ref) when they cannot be read."""
-    parts = _split_tar_ref(ref)
-    if parts is not None:
-        return _read_tar_member(*parts)
-    try:
-        if "://" in ref:
-            with fsspec.open(ref, "rb") as f:
-                return f.read()
-        with open(ref, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise RefError(f"{ref}: file not found") from None
-    except IsADirectoryError:
-        raise RefError(f"{ref}: is a directory, expected a file") from None
-    except (OSError, ValueError) as e:
-        raise RefError(f"{ref}: cannot read ({e.__class__.__name__}: {e})") from None
-
-
-# --------------------------------------------------------------------------- tar shards
-
-
-@dataclass
-class _TarIndex:
-    members: "OrderedDict[str, tuple[int, int]]"  # name -> (data offset, size), in shard order
-    total: int  # shard size in bytes
-    error: str = ""  # why the listing stopped early (members are missing), "" when it reached the end
-    note: str = ""  # a fault confined to one member (the file ends inside its data)
-
-
-_TAR_CACHE: "OrderedDict[tuple, _TarIndex]" = OrderedDict()
-_TAR_CACHE_SIZE = 64
-_TAR_LOCK = threading.Lock()
-
-
-def _open_binary(ref: str) -> Any:
-    return fsspec.open(ref, "rb").open() if "://" in ref else open(ref, "rb")
-
-
-def _tar_cache_key(shard: str) -> tuple:
-    if "://" in shard and not shard.startswith("file://"):
-        return (shard,)
-    try:
-        st = os.stat(shard[len("file://"):] if shard.startswith("file://") else shard)
-        return (shard, st.st_size, st.st_mtime_ns)  # a rewritten shard is listed again
-    except OSError:
-        return (shard,)
-
-
-def _scan_tar(shard: str) -> _TarIndex:
-    """List a shard's regular-file members from its headers; never raises for a damaged shard."""
-    members: OrderedDict[str, tuple[int, int]] = OrderedDict()
-    try:
-        f = _open_binary(shard)
-    except FileNotFoundError:
-        return _TarIndex(members, 0, f"{shard}: shard not found")
-    except OSError as e:
-        return _TarIndex(members, 0, f"{shard}: cannot open shard ({e})")
-    with f:
-        total = f.seek(0, 2)
-        f.seek(0)
-        try:
-            tf = tarfile.open(fileobj=f, mode="r:")
-        except tarfile.TarError as e:
-            return _TarIndex(members, total, f"{shard}: not a readable tar ({e})")
-        stopped = ""
-        last = None
-        try:
-            for info in tf:
-                if info.isfile():
-                    members[info.name] = (info.offset_data, info.size)
-                    last = info.name
-        except tarfile.TarError as e:
-            stopped = str(e)
-        if last is not None and sum(members[last]) > total:
-            return _TarIndex(members, total, note=f"{shard}: the file ends inside member {last!r} "
-                                                  f"(truncated shard)")
-        if stopped:
-            return _TarIndex(members, total, f"{shard}: listing stopped at byte {tf.offset} ({stopped}); "
-                                             f"members after it are missing")
-        # tarfile stops quietly at an invalid header that is not the first one: tell that apart
-        # from a proper end (end-of-archive zero blocks, or the end of the file).
-        end = tf.offset
-        if end < total:
-            f.seek(end)
-            if f.read(tarfile.BLOCKSIZE).strip(b"\0"):
-                return _TarIndex(members, total, f"{shard}: corrupt tar header at byte {end}; "
-                                                 f"members after it are missing")
-    return _TarIndex(members, total)
-
-
-def _tar_index(shard: str) -> _TarIndex:
-    key = _tar_cache_key(shard)
-    with _TAR_LOCK:
-        if key in _TAR_CACHE:
-            _TAR_CACHE.move_to_end(key)
-            return _TAR_CACHE[key]
-    index = _scan_tar(shard)
-    with _TAR_LOCK:
-        _TAR_CACHE[key] = index
-        while len(_TAR_CACHE) > _TAR_CACHE_SIZE:
-            _TAR_CACHE.popitem(last=False)
-    return index
-
-
-def _read_span(f: Any, shard: str, member: str, offset: int, size: int) -> bytes:
-    f.seek(offset)
-    data = f.read(size)
-    if len(data) != size:
-        raise RefError(f"{shard}#{member}: truncated tar member (expected {size} bytes, shard holds {len(data)})")
-    return data
-
-
-def _read_tar_member(shard: str, member: str) -> bytes:
-    index = _tar_index(shard)
-    if member not in index.members:
-        why = f"; the shard's listing is incomplete: {index.error}" if index.error else ""
-        raise RefError(f"{shard}#{member}: no such member in the shard{why}")
-    offset, size = index.members[member]
-    try:
-        with _open_binary(shard) as f:
-            return _read_span(f, shard, member, offset, size)
-    except RefError:
-        raise
-    except (OSError, ValueError) as e:
-        raise RefError(f"{shard}#{member}: cannot read tar member ({e.__class__.__name__}: {e})") from None
 
 
 # --------------------------------------------------------------------------- captions and scores
@@ -599,106 +431,6 @@ def _iter_manifest(name: str, path: str | list[str], task: str) -> Iterator[RawS
 # webdataset ----------------------------------------------------------------
 
 
-def _shards(name: str, path: str) -> list[str]:
-    fs, matched, _ = _expand(name, path, "a .tar shard, a glob of them or a folder of them")
-    shards = []
-    for m in matched:
-        if fs.isdir(m):
-            shards += sorted(f for f in fs.find(m) if f.lower().endswith(".tar"))
-        elif m.lower().endswith(".tar"):
-            shards.append(m)
-        else:
-            raise _spec_error(name, "path", f"{_to_ref(fs, m)!r} is not an uncompressed .tar shard")
-    if not shards:
-        raise _spec_error(name, "path", f"no .tar shards under {path!r}")
-    return [_to_ref(fs, s) for s in shards]
-
-
-def _wds_key(member: str) -> tuple[str, str]:
-    """webdataset convention: 'dir/abc.seg.png' -> ('dir/abc', 'seg.png')."""
-    head, _, base = member.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    key = f"{head}/{stem}" if head else stem
-    return key, ext.lower() if dot else ""
-
-
-def _wds_image(exts: dict[str, str], prefix: str = "") -> str | None:
-    for ext in IMAGE_EXTS:
-        if prefix + ext[1:] in exts:
-            return exts[prefix + ext[1:]]
-    return None
-
-
-def _iter_shard(name: str, shard: str, task: str, index: _TarIndex) -> Iterator[RawSample]:
-    groups: OrderedDict[str, dict[str, str]] = OrderedDict()
-    for member in index.members:
-        key, ext = _wds_key(member)
-        if ext and not _hidden(key):
-            groups.setdefault(key, {})[ext] = member
-    try:
-        f = _open_binary(shard)
-    except OSError:
-        f = None
-
-    def member_bytes(member: str | None) -> tuple[bytes | None, str]:
-        if member is None:
-            return None, ""
-        if f is None:
-            return None, "unreadable sidecar (shard cannot be opened)"
-        offset, size = index.members[member]
-        try:
-            return _read_span(f, shard, member, offset, size), ""
-        except (RefError, OSError, ValueError):
-            return None, "unreadable sidecar (truncated tar member)"
-
-    try:
-        for key, exts in groups.items():
-            if task == "t2i":
-                image = _wds_image(exts)
-                if image is None:
-                    continue
-                refs = [tar_ref(shard, image)]
-                txt, txt_err = member_bytes(exts.get("txt"))
-            elif task == "edit":
-                src, tgt = _wds_image(exts, "source."), _wds_image(exts, "target.")
-                if src is None and tgt is None:
-                    continue
-                refs = [tar_ref(shard, src or f"{key}.source.png"), tar_ref(shard, tgt or f"{key}.target.png")]
-                txt, txt_err = member_bytes(exts.get("instruction.txt", exts.get("txt")))
-            else:
-                frames = sorted((int(m.group(1)), member) for ext, member in exts.items()
-                                if (m := re.fullmatch(r"frame_(\d+)\.(png|jpe?g|webp)", ext)))
-                if not frames:
-                    continue
-                refs = [tar_ref(shard, member) for _, member in frames]
-                txt, txt_err = member_bytes(exts.get("txt"))
-            js, js_err = member_bytes(exts.get("json"))
-            caption, err, scores = _caption_from_sidecars(txt, js, txt_err, js_err)
-            yield RawSample(name, key, task, refs, caption, err, scores)
-    finally:
-        if f is not None:
-            f.close()
-
-
-def _iter_webdataset(name: str, path: str, task: str, errors: list[str] | None) -> Iterator[RawSample]:
-    problems: list[str] = []
-    for shard in _shards(name, path):
-        index = _tar_index(shard)
-        yield from _iter_shard(name, shard, task, index)
-        if index.note and errors is not None:
-            errors.append(f"source {name!r}: {index.note}")
-        if index.error:
-            problems.append(index.error)
-            if errors is not None:
-                errors.append(f"source {name!r}: {index.error}")
-    if problems and errors is None:
-        raise ShardError(f"data.sources[{name!r}]: {len(problems)} damaged shard(s); the samples they still "
-                         f"list were yielded: " + "; ".join(problems))
-
-
-# --------------------------------------------------------------------------- entry point
-
-
 def _unique(name: str, samples: Iterator[RawSample]) -> Iterator[RawSample]:
     seen: set[str] = set()
     for s in samples:
@@ -723,6 +455,8 @@ def iter_source(spec: dict, errors: list[str] | None = None) -> Iterator[RawSamp
     elif kind == "manifest":
         gen = _iter_manifest(name, path, task)
     elif kind == "webdataset":
+        from difftrain.data.prepare.webdataset import _iter_webdataset, _shards
+
         _shards(name, path)  # validate now; the generator lists them again lazily
         gen = _iter_webdataset(name, path, task, errors)
     elif kind == "edit":

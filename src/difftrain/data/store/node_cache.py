@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from difftrain.data.cache_folder import CacheFolder, Claim, Layout, is_full_disk
+from difftrain.data.store.cache_folder import CacheFolder, Claim, Layout, is_full_disk
 
 log = logging.getLogger("difftrain")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from difftrain.data import store as st
+from difftrain.data.store import tables as st
 from difftrain.errors import UserError
 
 PLAN_COLUMNS = ["sample_id", "source", "key", "task", "refs", "caption", "scores", "width", "height", "reason"]

@@ -1,0 +1,147 @@
+"""What a run reports and produces beside its steps: the metrics row of a step (with the attention dispatch
+counts), the frozen encoders' first build, the LR schedule's re-plan when a resumed run's length changed, the
+preview grids, the sampling pipeline and the end-of-run export. A part of ``Trainer`` (a base class it
+inherits), apart from the loop so that each reads on its own."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from difftrain.data.batch import Batch
+from difftrain.diffusion.pipeline import Pipeline
+from difftrain.parallel.compile import compile_count
+from difftrain.parallel.cp import cp_disabled
+from difftrain.parallel.flops import mfu
+from difftrain.train.metrics import peak_memory_gb
+from difftrain.train.schedule import lr_at
+
+if TYPE_CHECKING:
+    from difftrain.train.trainer import Fetched, StepStats
+
+log = logging.getLogger("difftrain.train")
+
+
+class TrainerOutputs:
+    """The reporting and output methods of ``Trainer`` (they use its model, loader, metrics and config)."""
+
+    def _encoders_built(self, encoder) -> None:
+        from difftrain.models.hf_text import resident_bytes
+
+        size = resident_bytes(encoder)
+        log.info("frozen text encoders built on %s for their first use: %.2f GiB", self.device, size / 2**30)
+        self.metrics.event("encoders_built", getattr(self, "step", 0), rank=self.env.rank, bytes=size,
+                           device=str(self.device))
+
+    def _replan_lr(self, saved_total: int) -> None:
+        """The run's length changed since its checkpoint: the LR schedule goes on as ``train.schedule_change`` says
+        (the cosine is a function of the total, so taken as is the LR would jump here), and says so."""
+        tc = self.cfg.train
+        shape = (tc.warmup_steps, tc.schedule, tc.min_lr_ratio)
+        before = lr_at(self.step, tc.lr, saved_total, *shape, self.budget.lr_anchor)
+        follow = lr_at(self.step, tc.lr, self.total_steps, *shape)
+        keep = tc.schedule_change == "keep_lr" and tc.schedule == "cosine" and self.step >= tc.warmup_steps
+        self.budget.lr_anchor = (self.step, before) if keep else None
+        log.warning("the run's length changed from %d to %d steps at step %d: the LR there is %.4g on the old "
+                    "schedule and %.4g on the new one; it goes on %s (train.schedule_change = %r)", saved_total,
+                    self.total_steps, self.step, before, follow,
+                    f"from {before:.4g}, decaying to the new end" if keep else f"at {follow:.4g}", tc.schedule_change)
+        self.metrics.event("schedule_change", self.step, old_total=saved_total, new_total=self.total_steps,
+                           lr_old_schedule=before, lr_new_schedule=follow, lr=before if keep else follow,
+                           mode=tc.schedule_change)
+
+    def _count_attention(self, batches: list[Batch]) -> None:
+        """The step's forward attention calls (one a block and micro-batch) on a tuned kernel and on the fallback,
+        from the micro-batches' shapes as the hybrid dispatches them; a shape the tuner missed is logged once."""
+        from difftrain.models.kernels import Shape
+        from difftrain.parallel.tune import dispatch_counts, dtype_name
+
+        m, p = self.cfg.model, self.dit.params
+        shapes = [Shape(len(b), m.heads // self.env.cp, sum(_seq(b)), m.hidden // m.heads, dtype_name(self.amp),
+                        self.cfg.text.padding == "masked") for b in batches]
+        tuned, fallback, missing = dispatch_counts(self.attention_kernel.table, shapes,
+                                                   p.double_blocks + p.single_blocks)
+        self.attention_calls["tuned"] += tuned
+        self.attention_calls["fallback"] += fallback
+        for key in sorted(missing - self.attention_missing):
+            log.warning("attention: shape %s was not tuned; %s runs it (%d shapes tuned)", key,
+                        self.attention_kernel.fallback, len(self.attention_kernel.table))
+        self.attention_missing |= missing
+
+    def _sample(self) -> None:
+        every = self.cfg.train.sample_every
+        if every and self.step % every == 0:
+            self.watchdog.beat(self.step, "sampling")
+            self.sample_grid(self.run_dir / "samples" / f"step_{self.step:08d}.png")
+
+    def _log_step(self, stats: StepStats, fetched: Fetched, force: bool = False) -> None:
+        saved_now = self.last_save is not None and self.last_save.step == self.step
+        if not (force or saved_now or self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps):
+            return
+        batch, total_s = fetched.batches[0], fetched.data_s + fetched.step_s
+        # an objective whose micro-batches carry no statistics is asked as before: metrics(loss, task)
+        extra = () if stats.rows is None else (stats.rows,)
+        values = {"time": round(time.time(), 3), **self.objective.metrics(stats.loss, batch.task, *extra),
+                  "grad_norm": round(stats.grad_norm, 4), "lr": stats.lr, "task": batch.task,
+                  "seq": _seq(batch), "shapes": sorted({(b.task, *_seq(b)) for b in fetched.batches}),
+                  "data_s": round(fetched.data_s, 4), "step_s": round(fetched.step_s, 4),
+                  "fwd_bwd_s": round(stats.fwd_bwd_s, 4), "optim_s": round(stats.optim_s, 4),
+                  "samples_per_s": round(stats.samples / total_s, 2), "tokens_per_s": round(stats.tokens / total_s, 1),
+                  "train_seconds": round(self.train_seconds, 2), "samples_seen": self.samples_seen,
+                  "mem_gb": round(peak_memory_gb(self.device), 3), "skipped_steps": self.health.skipped_steps,
+                  "restarts": self.restarts, "rollbacks": self.health.rollbacks, **self.health.straggler_info}
+        if self.stall_s:             # training time lost to checkpoints since the previous row
+            values["checkpoint_stall_s"] = round(self.stall_s, 4)
+            self.stall_s = 0.0
+        errors = getattr(self.loader, "errors", None)
+        if errors is not None:       # per-sample data faults skipped so far (damaged store rows)
+            values["data_errors"] = errors
+        if self.peak:
+            values["mfu"] = round(mfu(stats.flops, total_s, self.env.world, self.peak), 5)
+        if self.attention_kernel is not None:      # attention calls since the previous row: tuned, fallen back
+            for k in ("tuned", "fallback"):
+                values[f"attention_{k}_calls"] = self.attention_calls[k] - self.attention_logged[k]
+            self.attention_logged = dict(self.attention_calls)
+        graphs = compile_count()
+        if graphs != self.compiled_graphs:
+            values["recompiles"] = graphs - self.compiled_graphs
+            log.info("step %d: %d new compiled graph(s), %d in all", self.step, graphs - self.compiled_graphs, graphs)
+            self.compiled_graphs = graphs
+        self.metrics.log(self.step, values)
+
+    def pipeline(self) -> Pipeline:
+        return Pipeline(self.model, self.text_encoder, self.autoencoder, self.flow, self.device, self.amp,
+                        guidance=self.cfg.sample.guidance,
+                        sample_shift=(self.cfg.sample.shift, self.cfg.sample.shift_value))
+
+    def export(self) -> Path:
+        """Inference weights (EMA if kept) as ``RUN/export/model.safetensors`` with the config beside them."""
+        from difftrain.parallel.pretrained import export_dtype, write_weights
+
+        self.checkpointer.wait_staged()
+        source = self.ema.state_dict() if self.ema is not None else dict(self.model.named_parameters())
+        return write_weights(source, self.cfg, self.run_dir / "export", self.env.is_main,
+                             dtype=export_dtype(self.cfg, self.amp))
+
+    def sample_grid(self, path: Path, n: int = 4) -> Path:
+        """A preview grid of the run's own prompts (``ConfiguredSource.preview_prompts``), with the EMA weights,
+        on every rank (FSDP all-gathers need all of them), on the full sequences (context parallelism off);
+        rank 0 writes the PNG."""
+        from difftrain.evaluate import preview_grid
+
+        if self.preview_prompts is None:
+            self.preview_prompts = self.source.preview_prompts(3 * n) or []
+        self.checkpointer.wait_staged()          # the EMA swap below writes the parameters
+        with self.ema.applied(self.model) if self.ema else contextlib.nullcontext(), cp_disabled(self.model):
+            self.model.eval()
+            return preview_grid(self.pipeline(), self.cfg, path, n, self.env.is_main, self.preview_prompts)
+
+
+def _seq(batch: Batch) -> list[int]:
+    """(image tokens, text tokens) of a micro-batch: the shape a compiled block sees."""
+    text = (batch.text.txt_BTD.shape[1] if batch.text is not None
+            else max((v.shape[1] for v in batch.tokens.values()), default=0))
+    return [batch.x0_BLC.shape[1], text]
