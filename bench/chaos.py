@@ -11,8 +11,9 @@ agent, as schedulers send it), ``anytime`` (SIGKILLs at random moments, each rec
 ``phases_hit``), ``nodekill`` / ``nodestop`` (one of two torchrun agents' nodes lost, ``bench/node_loss.py``:
 ``detect_s``, ``rendezvous_s``, ``resume_s``) and ``store`` (a kill in a job fed from a latent store the script
 prepares, the store loader's state in the checkpoint), ``store_read_error_resume`` (in that store-fed job a rank's
-row reads as damaged, within ``data.max_error_rate``; the job is killed after the next checkpoint and resumes: the
-run's read-error totals come back with it; compared with the same job meeting the same bad row unkilled),
+row reads as damaged, within ``data.max_error_rate``, whenever its step is read; the job is killed after the next
+checkpoint and resumes, whichever checkpoint it finds: the run's read-error totals come back with it; compared with
+the same job meeting the same bad row unkilled),
 ``rank0_seal_failure`` (rank 0 alone fails to seal a blocking save: every rank ends with the error, ``error_on_every_rank_s``
 after the fault, and torchrun restarts the job from the previous checkpoint) and ``blocking_save_kill`` (SIGKILL of
 rank 0 part way through a blocking save, ``train.async_checkpoint = false``: shards written, no marker).
@@ -452,7 +453,7 @@ def main() -> None:
         step, rank = rng.randint(args.every + 2, args.steps - args.every), rng.randint(0, 1)
         if kind == "store":   # a store-fed job: the store loader's state is in the checkpoint; a rank is killed
             sref, spec, label = store_reference("store-reference", ""), f"kill@{step}:{rank}", " (store-fed)"
-        else:                 # a bad row, then a kill after the next checkpoint: the read-error totals resume whole
+        else:                 # a bad row (damaged for good), then a kill: the read-error totals resume whole
             bad = args.every + 2
             bad_spec = f"unreadable@{bad}:{rank}"
             sref = store_reference("store-unreadable-reference", bad_spec)

@@ -43,6 +43,21 @@ def store(tmp_path_factory):
     return make_store(tmp_path_factory.mktemp("rare"))
 
 
+def _two_ranks(worker, args: tuple, limit_s: float, why: str) -> None:
+    """``worker(rank, 2, port, *args)`` on two spawned gloo processes; fails with ``why`` (after killing them) when
+    they have not both ended within ``limit_s``: a rank left waiting in a collective."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(worker, args=(2, port, *args), nprocs=2, join=False, start_method="spawn")
+    t0 = time.monotonic()
+    while not ctx.join(timeout=5):
+        if time.monotonic() - t0 > limit_s:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(why)
+
+
 def _trainer(cfg, run_dir, monkeypatch, faults=""):
     from difftrain.train import build_trainer
 
@@ -104,17 +119,7 @@ def test_the_budget_is_decided_by_every_rank_together(store, tmp_path):
     """Rank 1 alone meets three bad rows (its share is 4): the budget is the run's over both ranks, so both ranks
     stop at the same step with the same error, at once (a rank deciding alone would leave the other waiting in
     a collective until the timeout)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_budget_worker, args=(2, port, store, str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    t0 = time.monotonic()
-    while not ctx.join(timeout=5):
-        if time.monotonic() - t0 > 120:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("a rank was left waiting: the ranks did not decide together")
+    _two_ranks(_budget_worker, (store, str(tmp_path)), 120, "a rank was left waiting: the ranks did not decide together")
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert got[0]["step"] == got[1]["step"] == 2, got
     assert all("3 of the 24 samples read so far over every rank" in g["error"] for g in got), got
@@ -235,17 +240,7 @@ def test_a_failure_on_rank_0_alone_is_an_error_on_every_rank_at_once(store, tmp_
     """Rank 0 seals checkpoints and writes the export alone; when that fails (here: ENOSPC), every rank ends with
     the error named, at once, instead of waiting in the next collective until the timeout. The failed checkpoint
     leaves the previous one intact."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_alone_worker, args=(2, port, store, str(tmp_path), what), nprocs=2, join=False,
-                             start_method="spawn")
-    t0 = time.monotonic()
-    while not ctx.join(timeout=5):
-        if time.monotonic() - t0 > 150:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{what}: a rank was left waiting for rank 0")
+    _two_ranks(_alone_worker, (store, str(tmp_path), what), 150, f"{what}: a rank was left waiting for rank 0")
     got = [json.loads((tmp_path / f"{what}{r}.json").read_text()) for r in range(2)]
     want = ("checkpoint at step 4 failed, the previous one is intact: rank 0: " if what == "seal"
             else "export to ")

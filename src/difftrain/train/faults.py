@@ -18,15 +18,15 @@ in the metrics. Kinds:
 - ``enospc_partial``: the checkpoint of STEP writes the rank's first shard file, cuts it to half its length and
   fails with ENOSPC (a disk that filled up part way through a shard);
 - ``unreadable``: a store-fed rank's first row of step STEP reads as damaged (the row is left out of the step and
-  counted against ``data.max_error_rate``);
+  counted against ``data.max_error_rate``), every time the step is read: unlike the others, it has no marker;
 - ``sealfail``: sealing the checkpoint of STEP fails on rank 0 alone (``trainer.json`` cannot be written: ENOSPC),
   after every rank wrote its shards.
 
 ``DIFFTRAIN_SAMPLE_LOG=PATH`` makes every rank append, per step, the sample ids of its batches to
 ``PATH.rank<R>`` (JSON lines), so that a harness can check the sample stream for repeats and gaps.
 
-Each fault fires once per run directory (a marker under ``RUN/faults/`` records it), so a restarted or
-requeued job does not meet it again; unset, nothing here does anything.
+Each fault but ``unreadable`` fires once per run directory (a marker under ``RUN/faults/`` records it), so a
+restarted or requeued job does not meet it again; unset, nothing here does anything.
 """
 
 from __future__ import annotations
@@ -159,11 +159,10 @@ def nan_at(step: int) -> bool:
 
 
 def unreadable_at(step: int) -> bool:
-    """Whether this rank's first row of store step ``step`` is to read as damaged (once)."""
-    if not _state["faults"] or (f := _armed("unreadable", step)) is None:
-        return False
-    _fire(f)
-    return True
+    """Whether this rank's first row of store step ``step`` is to read as damaged: every time that step is read (a
+    damaged row stays damaged, so a replay of the step after a restart meets it again)."""
+    rank = str(_state["rank"])
+    return any(f.kind == "unreadable" and f.step == step and f.rank in ("*", rank) for f in _state["faults"])
 
 
 def seal_fails(step: int) -> None:
