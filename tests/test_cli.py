@@ -4,8 +4,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from difftrain.cli import main
 
@@ -95,3 +97,42 @@ def test_guidance_on_a_model_trained_without_caption_dropout_is_warned(tiny_cfg,
         caplog.clear()
         assert guidance_scale(tiny_cfg("data.caption_dropout=0.1", "sample.cfg_scale=4.0"), None) == 4.0
         assert not caplog.records
+
+
+def _busy(seconds: float, started) -> None:
+    started.set()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_a_fixed_step_demo_trains_the_same_model_however_loaded_the_machine(tmp_path):
+    """The demo at a fixed step count (no time budget): the same summary on a quiet machine and beside a program
+    keeping a core busy: losses, accuracies and the digest of the final EMA weights; the summary says what makes
+    runs comparable (budget, steps, threads, torch build, a CPU speed probe)."""
+    import multiprocessing
+
+    from difftrain.config import preset_path
+    from difftrain.demo import run_demo
+
+    sets = ["train.minutes=0", "train.steps=6", "train.threads=1", "train.log_every=1", "eval.n=2", "sample.steps=2",
+            "model.hidden=32", "model.heads=2", "model.double_blocks=1", "model.single_blocks=1",
+            "model.axes_dims_rope=[4, 6, 6]", "text.dim=16", "data.image_size=32"]
+    quiet = run_demo(preset_path("shapes-tiny"), tmp_path / "quiet", None, sets, progress=False)
+    ctx = multiprocessing.get_context("spawn")
+    started = ctx.Event()
+    load = ctx.Process(target=_busy, args=(120, started))
+    load.start()
+    assert started.wait(60)                    # the competing load runs before the second demo starts
+    try:
+        loaded = run_demo(preset_path("shapes-tiny"), tmp_path / "loaded", None, sets, progress=False)
+    finally:
+        load.terminate()
+        load.join()
+    assert quiet["budget"] == "steps: 6" and quiet["steps"] == loaded["steps"] == 6
+    assert quiet["threads"] == 1 and quiet["torch"] == torch.__version__ and quiet["probe_gflops"] > 0
+    same = ("weights_sha256", "t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc", "keyframe_acc")
+    assert {k: quiet[k] for k in same} == {k: loaded[k] for k in same}
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()
+               if "loss" in json.loads(x)] for d in ("quiet", "loaded")]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]

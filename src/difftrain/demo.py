@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from difftrain.config import load_config
 from difftrain.shapes import world_from_config
@@ -41,6 +42,35 @@ def preview_world(world: ShapesWorld, path: Path, n: int = 6) -> float:
     return float(np.mean([all(s.values()) for s in scores]))
 
 
+def probe_gflops(seconds: float = 0.5, n: int = 512) -> float:
+    """A fixed CPU speed probe: float32 GFLOP/s of an n x n matmul, repeated for about ``seconds`` (the median of
+    its runs), on this process's threads. Figures from different days compare only beside it."""
+    import statistics
+
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 5:
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return round(2 * n ** 3 / statistics.median(times) / 1e9, 2)
+
+
+def weights_digest(tensors: dict) -> str:
+    """sha256 over the named tensors' bytes in name order: two machines that trained the same model show the same."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        h.update(name.encode())
+        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str], progress: bool = True) -> dict:
     sets = list(overrides) + ([f"train.minutes={minutes}"] if minutes is not None else [])
     cfg = load_config(config, sets)
@@ -56,6 +86,8 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
              "preview in %s", cfg.data.image_size, cfg.data.image_size, cfg.data.frames, gt_acc, out / "world.png")
 
     cfg_scale = guidance_scale(cfg, None)           # warned about before training, not after
+    probe = probe_gflops()
+    log.info("CPU speed probe: %.1f GFLOP/s (a 512x512 float32 matmul on %d threads)", probe, torch.get_num_threads())
     trainer = build_trainer(cfg, run_dir)
     log.info("model: %.2fM parameters; training for up to %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6,
              f"{cfg.train.minutes} min" if cfg.train.minutes else f"{cfg.train.steps} steps")
@@ -80,6 +112,11 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
               "t2i_size_acc": metrics["t2i_size_acc"], "n": metrics["n"],
               **{k: metrics[k] for k in EVAL_KEYS if k not in ("n",)},
               "train_seconds": summary["train_seconds"], "steps": summary["steps"],
+              # what makes two runs comparable: the same steps, threads and torch build train the same weights
+              "budget": f"time: {cfg.train.minutes} min" if cfg.train.minutes else f"steps: {cfg.train.steps}",
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "probe_gflops": probe,
+              "weights_sha256": weights_digest(trainer.ema.state_dict() if trainer.ema else
+                                               dict(trainer.model.named_parameters())),
               "eval_seconds": round(eval_seconds, 1), "total_seconds": round(time.perf_counter() - t0, 1),
               "num_params": summary["num_params"], "ground_truth_acc": round(gt_acc, 4),
               "samples_png": str(grid), "run_dir": str(run_dir)}
