@@ -88,7 +88,7 @@ def test_dpo_with_frozen_text_encoders_encodes_each_prompt_once_and_never_runs_t
 
     # Training: T5 and CLIP never run (the policy's and the reference's text come from the cache).
     calls = []
-    for module in (tr.text_encoder.t5, tr.text_encoder.clip):
+    for module in (tr.text_encoder.encoder().t5, tr.text_encoder.encoder().clip):
         module.register_forward_hook(lambda *a: calls.append(1))
     summary = tr.fit()
     assert summary["steps"] == 3 and not calls

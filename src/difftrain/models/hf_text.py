@@ -213,7 +213,7 @@ class LazyHFTextEncoder(nn.Module):
     (T5-XXL + CLIP-L: 9.5 GB in bf16) or a restart's read of their weights on ranks that never encode.
 
     What a trainer needs without them (widths, text rule, a checkpoint's record) comes from the models'
-    config.json files; every other attribute is the built encoder's."""
+    config.json files; the rest is ``encoder()``'s (which builds them)."""
 
     trainable = False
 
@@ -268,14 +268,6 @@ class LazyHFTextEncoder(nn.Module):
         t5_path, clip_path = self.paths
         return {"kind": "hf", "t5_path": t5_path, "clip_path": clip_path, "max_tokens": self.max_tokens,
                 "padding": self.padding}
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name.startswith("_"):
-                raise
-            return getattr(self.encoder(), name)
 
 
 def resident_bytes(module: nn.Module) -> int:

@@ -413,7 +413,7 @@ def _suggest(cx: _Ctx, strategies: list[Strategy]) -> tuple[list[dict], str]:
                 break
         if out[-1]["kind"] == "micro_batch":
             break
-    if cx.a.encoders_on_gpu and frozen_encoder_bytes(cx.cfg, cx.device) and not cx.cfg.data.source == "store":
+    if cx.a.encoders_on_gpu and frozen_encoder_bytes(cx.cfg, cx.device) and cx.cfg.data.source != "store":
         sub = dataclasses.replace(cx, a=dataclasses.replace(a, encoders_on_gpu=False))
         fit = [s.name for s in _strategies(sub) if s.fits]
         if fit:

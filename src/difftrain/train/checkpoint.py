@@ -75,11 +75,6 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
@@ -100,18 +95,6 @@ def _gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def _all_ok(ok: bool) -> bool:
-    """True on every rank if it is true on every rank (a barrier that carries a verdict, so that a failure on
-    one rank is an error on all of them, not a wait until the collective timeout)."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1.0 if ok else 0.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def _split(prefix: str, sd: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -173,8 +156,8 @@ class Checkpointer:
         self._stager_obj = None
         # Async writes synchronise over a gloo group of their own, so that they never interleave with the
         # training collectives of the default group (created collectively, by every rank, here).
-        self._pg = dist.new_group(backend="gloo") if async_save and _distributed() else None
-        self.group = self._pg       # the trainer sets its collective timeout with the others
+        # the writers' own gloo group (the trainer sets its collective timeout with the others')
+        self.group = dist.new_group(backend="gloo") if async_save and _distributed() else None
         self.completed: list[SaveResult] = []
         self.last_verify: dict | None = None
 
@@ -243,8 +226,9 @@ class Checkpointer:
                 partial.mkdir(parents=True)
             except OSError as e:
                 error = f"{partial}: cannot create the checkpoint directory ({e})"
-        if not _all_ok(error is None):   # the directory exists before any rank writes into it
-            raise UserError(error or f"{partial}: rank 0 could not create the checkpoint directory")
+        said = agree(error)                 # the directory exists before any rank writes into it
+        if said is not None:
+            raise UserError(said)
         tensors, info = self._gather(model, optimizer, ema)
         tensors = save_share(tensors)            # what this rank's save plan writes, and all it stages
         doc = {"format": FORMAT, "step": step, "optimizer": info, **extra}
@@ -254,13 +238,13 @@ class Checkpointer:
             try:
                 with phases.phase("write"):
                     _quiet(dcp.save, tensors, storage_writer=writer)
-                ok = True
             except (Exception, CheckpointException) as e:
-                ok, result.error = False, _describe(e)
-            if not _all_ok(ok):                  # every rank's shards are written before rank 0 seals it
+                result.error = _describe(e)
+            said = agree(result.error)           # every rank's shards are written before rank 0 seals it
+            if said is not None:
+                result.error = said
                 self._abandon(partial, result)
-                raise UserError(f"checkpoint at step {step} failed, the previous one is intact: "
-                                f"{result.error or 'a write failed on another rank'}")
+                raise UserError(f"checkpoint at step {step} failed, the previous one is intact: {said}")
             sealed = None
             try:
                 self._finish(partial, final, doc, result, t0, getattr(writer, "written", None))
@@ -316,7 +300,7 @@ class Checkpointer:
                 staged.set()
             del tensors
             with phases.phase("write"):
-                _quiet(dcp.save, copy, storage_writer=writer, process_group=self._pg, no_dist=not _distributed())
+                _quiet(dcp.save, copy, storage_writer=writer, process_group=self.group, no_dist=not _distributed())
         except (Exception, CheckpointException) as e:
             staged.set()
             result.error = _describe(e)
