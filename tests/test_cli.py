@@ -106,6 +106,42 @@ def _busy(seconds: float, started) -> None:
         pass
 
 
+_SMALL_DEMO = ["model.hidden=32", "model.heads=2", "model.double_blocks=1", "model.single_blocks=1",
+               "model.axes_dims_rope=[4, 6, 6]", "text.dim=16", "data.image_size=32"]
+
+
+def test_the_demo_recipe_is_a_fixed_step_count():
+    from difftrain.config import load_config, preset_path
+
+    cfg = load_config(preset_path("shapes-tiny"), [])
+    assert cfg.train.minutes == 0 and 1000 <= cfg.train.steps <= 20_000
+
+
+def test_pace_estimates_from_the_first_steps_then_gives_an_eta():
+    from difftrain.progress import Pace
+
+    now = [100.0]
+    pace = Pace(first=4, clock=lambda: now[0])
+    lines = []
+    for step in range(1, 11):
+        now[0] += 5.0 if step == 1 else 0.5     # the first step (start-up) is slow and is not counted
+        lines.append(pace.update(step, 100))
+    assert [i for i, x in enumerate(lines) if x] == [4]       # once, after 4 timed steps (steps 2-5)
+    assert pace.estimate == {"steps": 100, "s_per_step": 0.5, "measured_steps": 4, "seconds_left": 47.5}
+    assert "100 steps at 0.500 s a step" in lines[4] and "0m50s of training" in lines[4]
+    assert pace.eta(100) == " eta 0m45s"                     # 90 steps left at 0.5 s
+
+
+def test_a_time_budget_demo_says_so(tmp_path):
+    from difftrain.config import preset_path
+    from difftrain.demo import run_demo
+
+    sets = ["train.threads=1", "train.log_every=1", "eval.n=2", "sample.steps=2"] + _SMALL_DEMO
+    out = run_demo(preset_path("shapes-tiny"), tmp_path / "timed", 0.05, sets, progress=False)
+    assert out["budget"] == "time: 0.05 min (steps follow the machine's speed)"
+    assert out["steps"] >= 1 and out["s_per_step"] > 0
+
+
 def test_a_fixed_step_demo_trains_the_same_model_however_loaded_the_machine(tmp_path):
     """The demo at a fixed step count (no time budget): the same summary on a quiet machine and beside a program
     keeping a core busy: losses, accuracies and the digest of the final EMA weights; the summary says what makes
@@ -115,9 +151,8 @@ def test_a_fixed_step_demo_trains_the_same_model_however_loaded_the_machine(tmp_
     from difftrain.config import preset_path
     from difftrain.demo import run_demo
 
-    sets = ["train.minutes=0", "train.steps=6", "train.threads=1", "train.log_every=1", "eval.n=2", "sample.steps=2",
-            "model.hidden=32", "model.heads=2", "model.double_blocks=1", "model.single_blocks=1",
-            "model.axes_dims_rope=[4, 6, 6]", "text.dim=16", "data.image_size=32"]
+    # no train.minutes here: the recipe's default is a fixed step count
+    sets = ["train.steps=6", "train.threads=1", "train.log_every=1", "eval.n=2", "sample.steps=2"] + _SMALL_DEMO
     quiet = run_demo(preset_path("shapes-tiny"), tmp_path / "quiet", None, sets, progress=False)
     ctx = multiprocessing.get_context("spawn")
     started = ctx.Event()
@@ -130,6 +165,7 @@ def test_a_fixed_step_demo_trains_the_same_model_however_loaded_the_machine(tmp_
         load.terminate()
         load.join()
     assert quiet["budget"] == "steps: 6" and quiet["steps"] == loaded["steps"] == 6
+    assert quiet["estimate_s_per_step"] > 0              # the estimate from the first steps, kept in the summary
     assert quiet["threads"] == 1 and quiet["torch"] == torch.__version__ and quiet["probe_gflops"] > 0
     same = ("weights_sha256", "t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc", "keyframe_acc")
     assert {k: quiet[k] for k in same} == {k: loaded[k] for k in same}

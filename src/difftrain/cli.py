@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="End to end on the built-in shapes world: train, sample, evaluate.")
     p.add_argument("--out", default="demo-out", help="output directory (run, sample grids, summary.json)")
     p.add_argument("--minutes", type=float, default=None,
-                   help="training time budget in minutes (default: the preset's train.minutes)")
+                   help="train to a time budget of this many minutes instead of the recipe's fixed step count "
+                        "(the steps, and the model, then follow this machine's speed; the summary says so)")
     p.add_argument("--config", default="shapes-tiny", help="config path or preset name (default shapes-tiny)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
     _add_set(p)

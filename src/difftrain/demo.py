@@ -72,7 +72,9 @@ def weights_digest(tensors: dict) -> str:
 
 
 def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str], progress: bool = True) -> dict:
-    sets = list(overrides) + ([f"train.minutes={minutes}"] if minutes is not None else [])
+    # --minutes: a time budget in place of the recipe's fixed steps (the step cap lifted unless --set names one)
+    sets = (["train.steps=1000000"] + list(overrides) + [f"train.minutes={minutes}"] if minutes is not None
+            else list(overrides))
     cfg = load_config(config, sets)
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / "run"
@@ -86,11 +88,19 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
              "preview in %s", cfg.data.image_size, cfg.data.image_size, cfg.data.frames, gt_acc, out / "world.png")
 
     cfg_scale = guidance_scale(cfg, None)           # warned about before training, not after
+    if cfg.train.threads:                           # the probe runs on the threads training will use
+        torch.set_num_threads(cfg.train.threads)
     probe = probe_gflops()
     log.info("CPU speed probe: %.1f GFLOP/s (a 512x512 float32 matmul on %d threads)", probe, torch.get_num_threads())
     trainer = build_trainer(cfg, run_dir)
-    log.info("model: %.2fM parameters; training for up to %s", sum(p.numel() for p in trainer.model.parameters()) / 1e6,
-             f"{cfg.train.minutes} min" if cfg.train.minutes else f"{cfg.train.steps} steps")
+    n_params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+    if cfg.train.minutes:
+        log.info("model: %.2fM parameters; training to a time budget of %s min: the step count, and with it the "
+                 "model, follows this machine's speed", n_params, cfg.train.minutes)
+    else:
+        log.info("model: %.2fM parameters; training %d steps (a fixed count: the same model on any machine with "
+                 "this torch build and %d threads); an estimate of the time follows the first steps",
+                 n_params, cfg.train.steps, torch.get_num_threads())
     summary = run_training(cfg, run_dir, progress, trainer)
 
     log.info("evaluating %d prompts per task", cfg.eval.n)
@@ -113,7 +123,10 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
               **{k: metrics[k] for k in EVAL_KEYS if k not in ("n",)},
               "train_seconds": summary["train_seconds"], "steps": summary["steps"],
               # what makes two runs comparable: the same steps, threads and torch build train the same weights
-              "budget": f"time: {cfg.train.minutes} min" if cfg.train.minutes else f"steps: {cfg.train.steps}",
+              "budget": (f"time: {cfg.train.minutes} min (steps follow the machine's speed)" if cfg.train.minutes
+                         else f"steps: {cfg.train.steps}"),
+              "s_per_step": round(summary["train_seconds"] / max(1, summary["steps"]), 4),
+              "estimate_s_per_step": summary.get("estimate", {}).get("s_per_step"),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "probe_gflops": probe,
               "weights_sha256": weights_digest(trainer.ema.state_dict() if trainer.ema else
                                                dict(trainer.model.named_parameters())),
