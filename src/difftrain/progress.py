@@ -30,8 +30,9 @@ class Pace:
 
     def __init__(self, first: int = 40, clock=time.perf_counter):
         self.first, self.clock = first, clock
-        self.t0: float | None = None
-        self.step0 = 0
+        self.t0: float | None = None           # when the first step this process ran ended
+        self.step0 = self.step = 0
+        self.now = 0.0
         self.estimate: dict | None = None
 
     def update(self, step: int, total: int) -> str | None:
@@ -51,8 +52,8 @@ class Pace:
         return None
 
     def eta(self, total: int) -> str:
-        done = self.step - self.step0 if self.t0 is not None else 0
-        if done <= 0:
+        done = self.step - self.step0
+        if self.t0 is None or done <= 0:
             return ""
         return f" eta {_clock((self.now - self.t0) / done * (total - self.step))}"
 
