@@ -36,7 +36,9 @@ def _check_against(reference, run: Path, samples: Path) -> None:
 
 
 def test_a_killed_node_the_survivor_continues_alone_then_takes_the_node_back(reference, tmp_path):
-    r = node_loss.scenario(tmp_path, "kill", rejoin=True, slow_s=0.5)
+    # the node comes back after the survivor's second step: its 6 steps left must outlast a new agent's start and
+    # rendezvous on a loaded machine (at 0.5 s a step the survivor once finished first, leaving nothing to re-form)
+    r = node_loss.scenario(tmp_path, "kill", rejoin=True, slow_s=1.5)
     assert r["finished"], r
     worlds = [tuple(w) for w in r["worlds"]]
     assert worlds == [(0, 2), (4, 1), (r["rejoined_at_step"], 2)], worlds
