@@ -5,6 +5,7 @@ cache-key refusal, damaged fragments, the node-local cache, prefetch vs consumed
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,7 @@ def make_store(root: Path, cfg=None, shuffle_seed: int | None = None, tasks=("t2
                 shape = [F, 3 * FACTOR * FACTOR, b.h // FACTOR, b.w // FACTOR]
                 name = st.table_name(stage.name, b.name, task)
                 info = st.TableInfo(name, stage.name, b.name, task, F, shape, st.cache_key(cfg, stage, b, task), False)
-                ids = [hash((stage.name, b.name, task, i)) & 0x7FFFFFFFFFFF for i in range(n)]
+                ids = [zlib.crc32(f"{stage.name}/{b.name}/{task}/{i}".encode()) for i in range(n)]   # the same in every process
                 if shuffle_seed is not None:
                     ids = list(np.random.default_rng(shuffle_seed).permutation(ids))
                 lat = [np.full(shape, (i % 1000) / 1000.0, dtype=np.float32) for i in ids]
