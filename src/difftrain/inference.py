@@ -64,7 +64,12 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     vocab = info.get("text_encoder", {}).get("vocabulary")
     text = build_text_encoder(cfg, vocab, device)
     model = build_model(cfg, text, ae, "meta" if sharded else device)
-    if "dpo" in info and cfg.dpo.reference == "lora":     # a LoRA DPO run: its checkpoint holds the adapters
+    adapted = "adapter" in info              # a run with an adapter: its checkpoint holds the adapters alone
+    if adapted:
+        from difftrain.train.adapters import spec_of_checkpoint
+        from difftrain.models.lora import apply_adapter
+        apply_adapter(model["dit"], spec_of_checkpoint(info))
+    elif "dpo" in info and cfg.dpo.reference == "lora":     # an older LoRA DPO run: adapters and base in its checkpoint
         from difftrain.models.lora import apply_lora
         apply_lora(model["dit"], cfg.dpo.lora_rank, cfg.dpo.lora_alpha, list(cfg.dpo.lora_targets))
     if sharded:
@@ -78,6 +83,9 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     # The checkpoint's weights are read into the model's own parameters (each rank's shards, when sharded): one
     # copy of the model, not two.
     params = {k: v.detach() for k, v in model.named_parameters()}
+    if adapted:                             # the frozen base from where the run read it (its digest checked)
+        from difftrain.train.adapters import load_base
+        params = load_base(model, cfg, info)
     Checkpointer.load_tensors(info["path"], "ema" if use_ema and cfg.train.ema_decay > 0 else "model", params)
     model.eval().requires_grad_(False)
     amp = amp_dtype(cfg.train.precision, device)

@@ -347,6 +347,31 @@ class DPOConfig:
                          "stop early)", ge=0, default=0)
 
 
+ADAPTER_TARGETS = ["qkv", "proj", "linear1", "linear2", "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2"]
+
+
+@dataclass
+class AdapterConfig:
+    kind: str = meta("'none': every DiT weight is trained (a full fine-tune, or pretraining); 'lora' or 'lokr' "
+                     "(peft): adapters on the DiT's target layers are trained, the base DiT and the text encoder are "
+                     "frozen, and checkpoints hold the adapters, their optimizer state and the base's digest",
+                     choices=("none", "lora", "lokr"), default="none")
+    rank: int = meta("adapter rank (LoRA: A is rank x in, B out x rank; LoKr: the rank of its factors)", ge=1,
+                     le=4096, default=16)
+    alpha: float = meta("adapter alpha: the update is scaled by alpha / rank", gt=0, default=16.0)
+    targets: list[str] = meta("the DiT's linear layers adapted, by name or name suffix ('qkv' adapts every "
+                              "attention's fused q/k/v projection)", factory=lambda: list(ADAPTER_TARGETS))
+    dropout: float = meta("dropout on the adapter's input (LoRA) or on whole adapter modules (LoKr); it draws "
+                          "from each rank's own generator, so a run with dropout is not the same on every world "
+                          "size", ge=0, lt=1, default=0.0)
+    export: str = meta("what the end-of-run export holds: 'adapter' (RUN/export/adapter/: the adapter's tensors and "
+                       "adapter_config.json; the base beside it unless it is model.init_from, which the user has) or "
+                       "'merge' (a plain model, every adapter folded into its layer)", choices=("adapter", "merge"),
+                       default="adapter")
+    base_precision: str = meta("how the frozen base is held: 'bf16', unquantized (in the run's compute dtype on a "
+                               "GPU, fp32 on a CPU)", choices=("bf16",), default="bf16")
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -362,3 +387,4 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)

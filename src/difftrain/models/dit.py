@@ -9,6 +9,7 @@ assembles that sequence. Distribution (FSDP, compile) is applied from outside (`
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -109,14 +110,16 @@ class MMDiT(nn.Module):
         return self.final_layer(x[:, T:], vec)
 
     @torch.no_grad()
-    def init_weights(self, scheme: str = "zero-out", seed: int = 0, write: WriteFn | None = None) -> None:
+    def init_weights(self, scheme: str = "zero-out", seed: int = 0, write: WriteFn | None = None,
+                     only: Callable[[str], bool] | None = None) -> None:
         """Xavier linears with zero bias, N(0, 0.02) embedder MLPs, unit QK-norm scales; 'zero-out' also
         zeroes every modulation and the output head, so each block starts as the identity (adaLN-zero).
 
         The scheme is chosen by module type; the random values of each parameter come from a generator
         seeded by (seed, parameter name), drawn at the parameter's full shape. So the initial model is the
         same for any world size or sharding: ``write(param, full_value)`` puts the value (or the part of it
-        a rank holds) into the parameter; by default it copies the whole tensor."""
+        a rank holds) into the parameter; by default it copies the whole tensor. ``only``: initialise just the
+        parameters it accepts (the adapters, when the base is read from pretrained weights)."""
         write = write or _copy_into
         rules: dict[str, Init] = {}
         for mod_name, mod in self.named_modules():
@@ -137,9 +140,14 @@ class MMDiT(nn.Module):
                     rules[f"{mod_name}.lin.weight"] = rules[f"{mod_name}.lin.bias"] = "zeros"
             for name in ("final_layer.adaLN_modulation.1", "final_layer.linear"):
                 rules[f"{name}.weight"] = rules[f"{name}.bias"] = "zeros"
+        from difftrain.models.lora import init_rule, is_adapter
         for name, param in self.named_parameters():
+            if is_adapter(name):        # peft's adapters: the factor it zeroes at zero, the others kaiming-uniform
+                rules[name] = init_rule(name)
             if name not in rules:
                 raise TypeError(f"no initialisation rule for parameter {name!r}")  # a new module type: add a rule
+            if only is not None and not only(name):
+                continue
             write(param, _init_value(rules[name], param, _generator(seed, name, param.device)))
 
 
@@ -152,7 +160,7 @@ def centred_ids(ids_BL3: Tensor, extent_B2: Tensor | None = None) -> Tensor:
     return torch.cat((pos[..., :1], pos[..., 1:] - (extent[:, None, :] - 1) / 2), dim=-1)
 
 
-Init = str   # "xavier" | "normal" | "zeros" | "ones"
+Init = str   # "xavier" | "normal" | "kaiming" | "zeros" | "ones"
 WriteFn = Callable[[nn.Parameter, Tensor], None]
 
 
@@ -171,6 +179,8 @@ def _init_value(rule: Init, param: Tensor, gen: torch.Generator) -> Tensor:
         nn.init.xavier_uniform_(value, generator=gen)
     elif rule == "normal":
         nn.init.normal_(value, std=0.02, generator=gen)
+    elif rule == "kaiming":     # peft's kaiming_uniform_(a = sqrt 5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
     elif rule == "zeros":
         nn.init.zeros_(value)
     elif rule == "ones":

@@ -266,8 +266,12 @@ def load_pretrained(dit: MMDiT, path: str | Path) -> dict:
     before reading any tensor data when the checkpoint does not fit the model."""
     from safetensors import safe_open
 
+    from difftrain.models.lora import base_name, is_adapter
+
     src = _resolve(Path(path))
-    params = dict(dit.named_parameters())
+    # the base's parameters under the plain model's names (an adapted layer's ``x.base_layer.weight`` is ``x.weight``);
+    # adapters are not in a base model
+    params = {base_name(k): v for k, v in dit.named_parameters() if not is_adapter(k)}
     shapes = {k: tuple(v.shape) for k, v in params.items()}
     config_problems = _config_problems(src, dit.params) if src.kind == "diffusers" else []
 

@@ -209,9 +209,10 @@ class Checkpointer:
 
     # --- saving ----------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, ema: Any,
-             extra: dict[str, Any], blocking: bool | None = None) -> SaveResult:
+             extra: dict[str, Any], blocking: bool | None = None, keep=None) -> SaveResult:
         """Checkpoint the state at ``step``. Returns once the state is staged (async) or written (blocking);
-        an async save's outcome is known at the next ``save``/``wait``. Errors of a blocking save raise."""
+        an async save's outcome is known at the next ``save``/``wait``. Errors of a blocking save raise.
+        ``keep(name)``: the model tensors saved (a frozen base's are not: it is read from where it came from)."""
         blocking = (not self.async_save) if blocking is None else blocking
         self.wait()                              # one save in flight at a time
         t0 = time.perf_counter()
@@ -229,7 +230,7 @@ class Checkpointer:
         said = agree(error)                 # the directory exists before any rank writes into it
         if said is not None:
             raise UserError(said)
-        tensors, info = self._gather(model, optimizer, ema)
+        tensors, info = self._gather(model, optimizer, ema, keep)
         tensors = save_share(tensors)            # what this rank's save plan writes, and all it stages
         doc = {"format": FORMAT, "step": step, "optimizer": info, **extra}
         writer = faults.storage_writer(StreamingSafetensorsWriter, str(partial), step, save_distributed=_distributed())
@@ -403,11 +404,8 @@ class Checkpointer:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _gather(self, model: nn.Module, optimizer, ema) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        if optimizer is not None:
-            msd, osd = get_state_dict(model, optimizer, options=_OPTS)
-        else:
-            msd, osd = model.state_dict(), {}
+    def _gather(self, model: nn.Module, optimizer, ema, keep=None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        msd, osd = _state_dicts(model, optimizer, keep)
         tensors, _ = _split("model", msd)
         opt_tensors, opt_other = _split("optim", osd)
         tensors.update(opt_tensors)
@@ -449,15 +447,12 @@ class Checkpointer:
 
     @staticmethod
     def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             ema: Any = None) -> dict[str, Any]:
+             ema: Any = None, keep=None) -> dict[str, Any]:
         """Load what is asked for (model; optimizer, EMA if given) in place, resharding as needed; returns
-        trainer.json."""
+        trainer.json. ``keep(name)``: the model tensors read (as ``save``'s); the others are left as they are."""
         info = Checkpointer.read_info(path)
         p = Path(info["path"])
-        if optimizer is not None:
-            msd, osd = get_state_dict(model, optimizer, options=_OPTS)
-        else:
-            msd, osd = model.state_dict(), {}
+        msd, osd = _state_dicts(model, optimizer, keep)
         want = {f"model.{k}": v for k, v in msd.items() if isinstance(v, Tensor)}
         want.update({f"optim.{k}": v for k, v in osd.items() if isinstance(v, Tensor)})
         if ema is not None:
@@ -467,9 +462,10 @@ class Checkpointer:
         if optimizer is not None:
             opt_sd = {k[len("optim."):]: v for k, v in want.items() if k.startswith("optim.")}
             opt_sd.update(info.get("optimizer", {}))
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=opt_sd, options=_OPTS)
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=opt_sd,
+                           options=_OPTS if keep is None else _PARTIAL)
         else:
-            model.load_state_dict(model_sd)
+            model.load_state_dict(model_sd, strict=keep is None)
         if ema is not None:
             ema.load_state_dict({k[len("ema."):]: v for k, v in want.items() if k.startswith("ema.")})
             ema.updates = int(info.get("ema_updates", 0))
@@ -484,6 +480,20 @@ class Checkpointer:
         want = {f"{prefix}.{k}": v for k, v in into.items()}
         _load_or_explain(want, Path(info["path"]))
         return into
+
+
+_PARTIAL = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+
+
+def _state_dicts(model: nn.Module, optimizer, keep) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimizer's state dicts (DCP's, for sharded models), the model's cut to ``keep``."""
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer, options=_OPTS)
+    else:
+        msd, osd = model.state_dict(), {}
+    if keep is not None:
+        msd = {k: v for k, v in msd.items() if keep(k)}
+    return msd, osd
 
 
 def _describe(e: BaseException) -> str:

@@ -23,10 +23,9 @@ from difftrain.config import Config, to_dict
 from difftrain.diffusion.flow import FlowSpec
 from difftrain.errors import UserError
 from difftrain.models import build_dit, build_text_encoder, dit_params
-from difftrain.models.lora import adapters_disabled, apply_lora, base_name, is_lora, merged, zero_lora_b
+from difftrain.models.lora import adapters_disabled, base_name, is_lora
 from difftrain.parallel import parallelize
 from difftrain.parallel.dist import all_reduce_sum
-from difftrain.parallel.fsdp import write_param
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.objectives import Denoiser, DiffusionDPO
 from difftrain.train.trainer import Trainer
@@ -150,22 +149,18 @@ class DPOTrainer(Trainer):
         super().__init__(cfg, source, objective, run_dir, env, resume, allow_config_change)
 
     # --- the policy and the reference -------------------------------------------------------------
+    dpo_run = True
+
     @property
     def lora(self) -> bool:
-        return self.cfg.dpo.reference == "lora"
-
-    def _adapt(self, model: nn.ModuleDict) -> None:
-        if self.lora:           # adapters on the DiT; its base weights and the text encoder frozen
-            d = self.cfg.dpo
-            self.lora_layers = apply_lora(model["dit"], d.lora_rank, d.lora_alpha, list(d.lora_targets))
-            if "text" in model:
-                model["text"].requires_grad_(False)
+        """A run with an adapter (``dpo.reference = 'lora'``): its reference is the policy without it."""
+        return self.adapter is not None
 
     def _build_model(self, fresh: bool) -> nn.ModuleDict:
         model = super()._build_model(fresh)
-        if self.lora:
-            zero_lora_b(model["dit"], write_param)     # the adapted policy starts as the base
-        if fresh:               # the policy starts as the reference; a resume reads its own weights instead
+        # the policy starts as the reference; a resume reads its own weights instead, the frozen base of an adapter
+        # run apart (its checkpoints hold the adapters alone)
+        if fresh or self.lora:
             self._load_init(model)
         if self.lora:
             self.reference = None
@@ -180,46 +175,8 @@ class DPOTrainer(Trainer):
         params = {base_name(k): v.detach() for k, v in model.named_parameters() if not is_lora(k)}
         Checkpointer.load_tensors(self.init_info["path"], self.init_weights, params)
 
-    def export(self) -> Path:
-        """With LoRA: ``dpo.lora_export = 'merge'`` writes a plain model (every adapter folded into its layer's
-        weight); 'adapter' writes the base model and, under ``export/adapter/``, the adapter tensors (peft's
-        names) with ``adapter_config.json``."""
-        if not self.lora:
-            return super().export()
-        import json
-
-        from difftrain.parallel.pretrained import export_dtype, write_weights
-
-        self.checkpointer.wait_staged()
-        d = self.cfg.dpo
-        source = self.ema.state_dict() if self.ema is not None else dict(self.model.named_parameters())
-        base = {base_name(k): v for k, v in source.items() if not is_lora(k)}
-        scale = d.lora_alpha / d.lora_rank
-
-        def full(t):
-            t = t.detach()
-            return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-        def fold(name: str, weight):
-            prefix = name[: -len(".weight")] if name.endswith(".weight") else None
-            a_key = next((k for k in source if prefix and k.startswith(prefix + ".lora_A.")), None)
-            if a_key is None:
-                return weight
-            b_key = a_key.replace(".lora_A.", ".lora_B.")
-            a, b = full(source[a_key]), full(source[b_key])       # every rank: a collective
-            return None if weight is None else merged(weight, a, b, scale)
-
-        out = self.run_dir / "export"
-        dtype = export_dtype(self.cfg, self.amp)
-        path = write_weights(base, self.cfg, out, self.env.is_main,
-                             transform=fold if d.lora_export == "merge" else None, dtype=dtype)
-        if d.lora_export == "adapter":
-            write_weights({k: v for k, v in source.items() if is_lora(k)}, self.cfg, out / "adapter", self.env.is_main,
-                          dtype=dtype)
-            if self.env.is_main:
-                (out / "adapter" / "adapter_config.json").write_text(json.dumps(
-                    {"r": d.lora_rank, "lora_alpha": d.lora_alpha, "target_modules": self.lora_layers}, indent=1))
-        return path
+    def _adapter_base(self) -> dict:
+        return {"source": self.init_info["path"], "digest": self.reference_digest, "weights": self.init_weights}
 
     def _build_reference(self) -> nn.ModuleDict:
         cfg = self.cfg

@@ -118,13 +118,48 @@ class TrainerOutputs:
                         sample_shift=(self.cfg.sample.shift, self.cfg.sample.shift_value))
 
     def export(self) -> Path:
-        """Inference weights (EMA if kept) as ``RUN/export/model.safetensors`` with the config beside them."""
+        """Inference weights (EMA if kept) as ``RUN/export/model.safetensors`` with the config beside them. With an
+        adapter: 'merge' writes a plain model (each adapter folded into its layer's weight); 'adapter' writes the
+        adapter under ``export/adapter/`` (its tensors by peft's names, ``adapter_config.json``) and the base as
+        ``model.safetensors`` unless the base is ``model.init_from`` (a file the user has)."""
         from difftrain.parallel.pretrained import export_dtype, write_weights
 
         self.checkpointer.wait_staged()
-        source = self.ema.state_dict() if self.ema is not None else dict(self.model.named_parameters())
-        return write_weights(source, self.cfg, self.run_dir / "export", self.env.is_main,
-                             dtype=export_dtype(self.cfg, self.amp))
+        named = dict(self.model.named_parameters())
+        if self.ema is not None:                 # the EMA of what was trained (with an adapter: of the adapters)
+            named.update(self.ema.state_dict())
+        out, dtype = self.run_dir / "export", export_dtype(self.cfg, self.amp)
+        spec = self.adapter
+        if spec is None:
+            return write_weights(named, self.cfg, out, self.env.is_main, dtype=dtype)
+        from difftrain.models.lora import base_name, delta, is_adapter, split_name
+
+        base = {base_name(k): v for k, v in named.items() if not is_adapter(k)}
+        factors: dict[str, dict[str, str]] = {}          # layer (plain name) -> {factor: parameter name}
+        for k in named:
+            if (split := split_name(k)) is not None:
+                factors.setdefault(base_name(split[0]), {})[split[1]] = k
+
+        def fold(name: str, weight):
+            layer = name[: -len(".weight")] if name.endswith(".weight") else None
+            if layer not in factors:
+                return weight
+            parts = {f: _full(named[k]) for f, k in sorted(factors[layer].items())}     # every rank: collectives
+            return None if weight is None else weight.float() + delta(spec.kind, parts, spec.scale,
+                                                                      tuple(weight.shape))
+
+        if spec.export == "merge":
+            return write_weights(base, self.cfg, out, self.env.is_main, transform=fold, dtype=dtype)
+        path = write_weights({k: v for k, v in named.items() if is_adapter(k)}, self.cfg, out / "adapter",
+                             self.env.is_main, dtype=dtype)
+        if not self.cfg.model.init_from:
+            path = write_weights(base, self.cfg, out, self.env.is_main, dtype=dtype)
+        if self.env.is_main:
+            import json
+            (out / "adapter" / "adapter_config.json").write_text(json.dumps(
+                {**spec.describe(), "r": spec.rank, "lora_alpha": spec.alpha, "target_modules": self.adapter_layers,
+                 "base": self.adapter_base}, indent=1))
+        return path
 
     def sample_grid(self, path: Path, n: int = 4) -> Path:
         """A preview grid of the run's own prompts (``ConfiguredSource.preview_prompts``), with the EMA weights,
@@ -138,6 +173,12 @@ class TrainerOutputs:
         with self.ema.applied(self.model) if self.ema else contextlib.nullcontext(), cp_disabled(self.model):
             self.model.eval()
             return preview_grid(self.pipeline(), self.cfg, path, n, self.env.is_main, self.preview_prompts)
+
+
+def _full(t):
+    """A parameter's full tensor (a DTensor's gathered: a collective every rank calls)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _seq(batch: Batch) -> list[int]:

@@ -30,6 +30,7 @@ from difftrain.diffusion.flow import FlowSpec
 from difftrain.diffusion.pipeline import amp_dtype
 from difftrain.errors import UserError
 from difftrain.models import build_autoencoder, build_dit, build_text_encoder, dit_params, num_params
+from difftrain.models.lora import is_adapter
 from difftrain.parallel import parallelize
 from difftrain.parallel.compile import compile_count, use_compile_cache
 from difftrain.parallel.dist import ParallelEnv, all_gather_rows, all_reduce_sum, all_reduce_sum_on_device, \
@@ -38,6 +39,7 @@ from difftrain.parallel.flops import peak_flops
 from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
 from difftrain.train import faults, phases
 from difftrain.train.budget import TimeBudget
+from difftrain.train.adapters import base_digest, check_same_base, keep_in_checkpoint
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.ema import EMA
 from difftrain.train.health import JsonLogHandler, PreemptLead, Preemption, StepHealth, Watchdog, run_id, \
@@ -129,6 +131,8 @@ class Trainer(TrainerOutputs):
         self.text_encoder = build_text_encoder(cfg, vocab, self.device, lazy=True, on_build=self._encoders_built)
         self.model = self._build_model(found is None)
         self.dit = self.model["dit"]
+        self.adapter_base = self._adapter_base() if self.adapter is not None else None
+        self.checkpoint_keys = keep_in_checkpoint(self.model)      # a frozen base: the adapters alone
         from difftrain.parallel.tune import install as install_attention
         self.attention = install_attention(cfg, self.model, self.device, self.amp, True, self.micro_batch,
                                            self.env.cp, self.run_dir,
@@ -223,13 +227,15 @@ class Trainer(TrainerOutputs):
         self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp)
         dit = model["dit"]
         dit.to_empty(device="cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
-        if cfg.model.init_from and fresh:        # every DiT parameter is read from there (checked)
+        # every DiT parameter is read from model.init_from (checked), the adapters' apart; with adapters the frozen
+        # base is read on every start (a checkpoint holds the adapters alone)
+        pretrained = bool(cfg.model.init_from) and (fresh or self.adapter is not None)
+        with torch.no_grad():
+            dit.init_weights(cfg.model.init, cfg.run.seed, write_param, only=is_adapter if pretrained else None)
+        if pretrained:
             from difftrain.parallel.pretrained import load_pretrained
             report = load_pretrained(dit, cfg.model.init_from)
             log.info("initialised from %s (%s)", cfg.model.init_from, report)
-        else:
-            with torch.no_grad():
-                dit.init_weights(cfg.model.init, cfg.run.seed, write_param)
         return model
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -278,7 +284,11 @@ class Trainer(TrainerOutputs):
         return newest
 
     def _resume(self, path: Path) -> None:
-        info = Checkpointer.load(path, self.model, self.optimizer, self.ema)
+        if self.adapter is not None:
+            saved = Checkpointer.read_info(path).get("adapter_base")
+            if not (saved is None and self.dpo_run):     # an older DPO checkpoint: its reference digest is the base's
+                check_same_base(saved, self.adapter_base, path)
+        info = Checkpointer.load(path, self.model, self.optimizer, self.ema, keep=self.checkpoint_keys)
         for group in self.optimizer.param_groups:   # the saved groups carry the saver's step kind: this mesh's own
             group.update(self.optimizer_kind)
         self.step = int(info["step"])
@@ -309,10 +319,13 @@ class Trainer(TrainerOutputs):
                  "world_size": self.env.world, "compute_dtype": "bf16" if self.amp == torch.bfloat16 else "fp32",
                  "text_encoder": getattr(self.text_encoder, "extra_state", lambda: {"kind": "hf"})(),
                  "num_params": {"dit": num_params(self.dit), "total": num_params(self.model)},
+                 **({"adapter": self.adapter.describe(), "adapter_layers": self.adapter_layers,
+                     "adapter_base": self.adapter_base} if self.adapter is not None else {}),
                  **self._extra_state()}
         if self.watchdog is not None:
             self.watchdog.beat(self.step, "checkpoint")
-        self.last_save = self.checkpointer.save(self.step, self.model, self.optimizer, self.ema, extra, blocking)
+        self.last_save = self.checkpointer.save(self.step, self.model, self.optimizer, self.ema, extra, blocking,
+                                                 keep=self.checkpoint_keys)
         self.stall_s += self.last_save.stall_s
         return self.last_save
 
@@ -417,9 +430,19 @@ class Trainer(TrainerOutputs):
         return self._finish(preempted, stats, last, t_start)
 
     # --- what a trainer of another objective adds (DPO: its reference, validation and early stopping) ------
+    dpo_run = False         # DPO's trainer: dpo.reference = 'lora' is an adapter too
+
     def _adapt(self, model: nn.ModuleDict) -> None:
-        """Change the model as built on the meta device, before it is wrapped and materialised (DPO with LoRA
-        injects its adapters and freezes the base here)."""
+        """Change the model as built on the meta device, before it is wrapped and materialised: a run with an
+        adapter injects it and freezes the base here."""
+        from difftrain.train.adapters import adapt, check_adapter_config
+
+        self.adapter = check_adapter_config(self.cfg, self.dpo_run)
+        self.adapter_layers = adapt(self.cfg, model, self.adapter)
+
+    def _adapter_base(self) -> dict:
+        """The frozen base's identity, kept in every checkpoint and checked on resume."""
+        return base_digest(self.cfg, self.run_dir, self.env.is_main)
 
     def _extra_state(self) -> dict:
         """More of the trainer's state for the checkpoint's metadata."""

@@ -1,0 +1,148 @@
+"""What a run with adapters adds to the trainer: the adapters injected before wrapping, the base's identity, and
+checkpoints that hold the adapters alone.
+
+With an adapter (``[adapter]``, or DPO's ``dpo.reference = 'lora'``) the DiT's base weights and the text encoder are
+frozen; the base is read again from where it came from on every start (``model.init_from``, DPO's ``dpo.init``, or
+the seeded initialisation), and its digest is kept in every checkpoint and checked on resume, so an adapter is never
+resumed onto another base. A checkpoint then holds the adapters, their optimizer state and EMA: at rank 16 on
+FLUX.1-dev some 0.2 GB instead of 12B parameters' weights and Adam moments.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from torch import nn
+
+from difftrain.config import Config
+from difftrain.errors import UserError
+from difftrain.models.lora import AdapterSpec, apply_adapter, file_digest, is_adapter
+
+log = logging.getLogger("difftrain.train")
+
+
+def check_adapter_config(cfg: Config, dpo: bool = False) -> AdapterSpec | None:
+    """The run's adapter after the checks that need no model (each refusal one line naming the key)."""
+    a = cfg.adapter
+    if dpo and a.kind != "none" and cfg.dpo.reference != "lora":
+        raise UserError(f"adapter.kind = {a.kind!r} with dpo.reference = 'copy': a DPO run with adapters takes its "
+                        "base as the reference; set dpo.reference = 'lora' (the adapter is [adapter]'s)")
+    if cfg.train.fp8 != "none" and a.kind != "none":
+        raise UserError(f"train.fp8 = {cfg.train.fp8!r} with adapter.kind = {a.kind!r}: float8 training converts the "
+                        "linears an adapter wraps: train the adapter with train.fp8 = 'none'")
+    spec = AdapterSpec.of(cfg, dpo)
+    if spec is not None and not dpo and not cfg.model.init_from:
+        raise UserError(f"adapter.kind = {spec.kind!r} without model.init_from: an adapter trains on a frozen base; "
+                        "set model.init_from to it (a diffusers FLUX transformer folder or a difftrain export)")
+    return spec
+
+
+def adapt(cfg: Config, model: nn.ModuleDict, spec: AdapterSpec | None) -> list[str]:
+    """Inject the adapter into the DiT built on the meta device (before it is wrapped) and freeze the rest: the
+    DiT's base and a trained text encoder. Returns the adapted layers' names ([] without an adapter)."""
+    if spec is None:
+        return []
+    names = apply_adapter(model["dit"], spec)
+    if "text" in model:
+        model["text"].requires_grad_(False)
+    return names
+
+
+def base_digest(cfg: Config, run_dir: Path, is_main: bool) -> dict:
+    """The frozen base's identity: the files of ``model.init_from`` (sha256 of each file's content, kept in
+    ``RUN/base_digest.json`` by size and mtime so that a restart does not read a 24 GB base again). Rank 0 reads the
+    files; every rank gets its answer."""
+    from difftrain.parallel.dist import gather_objects
+
+    out = None
+    if is_main:
+        try:
+            out = _files_digest(cfg.model.init_from, run_dir)
+        except (UserError, OSError) as e:         # every rank ends with it, none waits in the gather below
+            out = {"error": f"model.init_from = {cfg.model.init_from!r}: {e}"}
+    out = gather_objects(out)[0]
+    if "error" in out:
+        raise UserError(out["error"])
+    return out
+
+
+def _files_digest(init_from: str, run_dir: Path) -> dict:
+    from difftrain.parallel.pretrained import _resolve
+
+    src = _resolve(Path(init_from))
+    cache_path = run_dir / "base_digest.json"
+    try:
+        cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        cache = {}
+    cache = {k: v for k, v in cache.items() if isinstance(v, list) and len(v) == 3} if isinstance(cache, dict) else {}
+    digest = file_digest(src.files, cache)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cache_path.write_text(json.dumps(cache, indent=1))
+    except OSError as e:
+        log.warning("%s: the base's file digests are not cached (%s); a restart reads the base again", cache_path, e)
+    return {"source": str(src.root), "digest": digest}
+
+
+def check_same_base(saved: dict | None, now: dict, checkpoint: Path) -> None:
+    """A resume onto another base than the one the adapters were trained on is refused, naming both."""
+    if saved is None:
+        raise UserError(f"{checkpoint}: this checkpoint records no adapter base (written by a run without an "
+                        "adapter, or an older difftrain): resume it with adapter.kind = 'none'")
+    if saved.get("digest") != now["digest"]:
+        raise UserError(f"{checkpoint}: its adapters were trained on the base {saved.get('source')!r} (digest "
+                        f"{str(saved.get('digest'))[:12]}), and this run's base {now['source']!r} has digest "
+                        f"{now['digest'][:12]}: point model.init_from at the base the adapters were trained on")
+
+
+def keep_in_checkpoint(model: nn.Module):
+    """The predicate of the model tensors a checkpoint holds: with an adapter, all but the DiT's frozen base (read
+    again from where it came from); a frozen text encoder trained with the model (``words``) is kept, it is small
+    and not in the base's files. Without an adapter: every tensor (None)."""
+    names = [n for n, _ in model.named_parameters()]
+    if not any(is_adapter(n) for n in names):
+        return None
+    base = {n for n, p in model.named_parameters() if n.startswith("dit.") and not is_adapter(n)}
+    return lambda name: name not in base
+
+
+def spec_of_checkpoint(info: dict) -> AdapterSpec:
+    """The adapter a checkpoint's run trained (its ``adapter`` record)."""
+    a = info["adapter"]
+    return AdapterSpec(a["kind"], int(a["rank"]), float(a["alpha"]), tuple(a["targets"]), 0.0)
+
+
+def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
+    """Read an adapter run's frozen base into ``model`` (adapters injected, plain or sharded) from where the run
+    read it: DPO's starting checkpoint or ``model.init_from``; refused, naming both, when
+    the base found there is not the one the adapters were trained on. Returns the adapters' tensors by name, for the
+    checkpoint's adapters to be read into."""
+    from difftrain.models.lora import base_name
+    from difftrain.train.checkpoint import Checkpointer
+
+    saved = info.get("adapter_base") or {}
+    dit = model["dit"]
+    if "dpo" in info:
+        from difftrain.train.dpo import reference_digest
+        start = Checkpointer.read_info(info["dpo"]["init"])
+        now = {"source": start["path"], "digest": reference_digest(start, info["dpo"]["weights"])}
+        check_same_base(saved, now, Path(info["path"]))
+        Checkpointer.load_tensors(start["path"], info["dpo"]["weights"],
+                                  {base_name(k): v.detach() for k, v in model.named_parameters() if not is_adapter(k)})
+    else:
+        run_dir = Path(info["path"]).parent.parent
+        check_same_base(saved, base_digest(cfg, run_dir, _is_main()), Path(info["path"]))
+        from difftrain.parallel.pretrained import load_pretrained
+        load_pretrained(dit, cfg.model.init_from)
+    rest = {k: v.detach() for k, v in model.named_parameters() if not k.startswith("dit.")}
+    if rest:                                 # a trained word encoder, frozen under the adapter: the checkpoint's
+        Checkpointer.load_tensors(info["path"], "model", rest)
+    return {k: v.detach() for k, v in model.named_parameters() if is_adapter(k)}
+
+
+def _is_main() -> bool:
+    from difftrain.parallel.dist import rank_world
+    return rank_world()[0] == 0

@@ -1,0 +1,176 @@
+"""Adapters on the flow-matching objective: LoRA and LoKr (peft) on a frozen base read from ``model.init_from``,
+under FSDP2 on 2 gloo ranks (torchrun) equal to 1 rank, a resume that is exact, checkpoints that hold the adapters
+alone with the base's digest (checked on resume), sampling from them, and each refusal one line naming the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from difftrain.cli import main
+from difftrain.config import load_config, to_toml
+from difftrain.errors import UserError
+from difftrain.train.metrics import read_metrics
+
+from conftest import TINY
+
+pytestmark = pytest.mark.slow
+
+RUN = TINY + ["train.global_batch=8", "train.ema_decay=0.9", "train.threads=1", "data.caption_dropout=0.3",
+              "train.warmup_steps=1", "train.schedule=constant"]
+ADAPTED = ["adapter.rank=4", "adapter.alpha=8", "train.lr=3e-3", "train.checkpoint_every=4"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A base model: 20 steps of the tiny config, exported (RUN/export/model.safetensors)."""
+    root = tmp_path_factory.mktemp("adapters")
+    cfg = root / "base.toml"
+    cfg.write_text(to_toml(load_config(None, RUN + ["train.steps=20", "train.lr=3e-3", "train.checkpoint_every=0"])))
+    assert main(["train", str(cfg), "--run-dir", str(root / "base"), "--no-progress"]) == 0
+    return root / "base" / "export"
+
+
+def _config(path: Path, base: Path, *sets: str) -> Path:
+    path.write_text(to_toml(load_config(None, RUN + ADAPTED + [f"model.init_from={base}", *sets])))
+    return path
+
+
+def _train(config: Path, run_dir: Path, ranks: int = 1, *args: str) -> subprocess.CompletedProcess:
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+              if ranks > 1 else [sys.executable])
+    proc = subprocess.run(launch + ["-m", "difftrain", "train", str(config), "--run-dir", str(run_dir), "--no-progress",
+                                    *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _checkpoint_keys(step_dir: Path) -> list[str]:
+    keys = []
+    for f in step_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            keys += list(h.keys())
+    return keys
+
+
+@pytest.mark.parametrize("kind", ["lora", "lokr"])
+def test_an_adapter_on_two_ranks_is_one_rank_and_resumes_exactly(base, tmp_path, kind):
+    """8 steps on 2 FSDP2 ranks; 4 steps on 1 rank, then resumed to 8: the same losses. The checkpoints hold the
+    adapters (and the small frozen word encoder), their optimizer state and EMA, none of the base; the base's digest
+    is recorded; the export holds the adapter apart (the base is model.init_from, the user's own file)."""
+    cfg = _config(tmp_path / "a.toml", base, f"adapter.kind={kind}", "train.steps=8")
+    two = _train(cfg, tmp_path / "two", 2)
+    assert json.loads(two.stdout.strip().splitlines()[-1])["world_size"] == 2
+    short = _config(tmp_path / "short.toml", base, f"adapter.kind={kind}", "train.steps=4")
+    _train(short, tmp_path / "one")
+    _train(cfg, tmp_path / "one", 1, "--allow-config-change", "train.steps")
+    losses = {r: {m["step"]: m["loss"] for m in read_metrics(tmp_path / r)} for r in ("two", "one")}
+    assert [losses["one"][s] for s in range(1, 9)] == pytest.approx([losses["two"][s] for s in range(1, 9)], rel=1e-4)
+
+    ckpt = tmp_path / "two" / "checkpoints" / "step_00000008"
+    keys = _checkpoint_keys(ckpt)
+    marker = "lora_" if kind == "lora" else "lokr_"
+    base_keys = [k for k in keys if k.startswith(("model.dit.", "optim.", "ema.")) and marker not in k]
+    assert not base_keys, base_keys[:5]
+    assert any(k.startswith("optim.") and marker in k for k in keys) and any(k.startswith("ema.") for k in keys)
+    info = json.loads((ckpt / "trainer.json").read_text())
+    assert info["adapter"]["kind"] == kind and info["adapter_base"]["source"] == str(base / "model.safetensors")
+    assert len(info["adapter_base"]["digest"]) == 64
+    zeroed = ".lora_B." if kind == "lora" else ".lokr_w1."          # the factor that starts at zero has moved
+    adapter = load_file(str(tmp_path / "two" / "export" / "adapter" / "model.safetensors"))
+    assert any(zeroed in k and v.abs().max() > 0 for k, v in adapter.items())
+    assert not (tmp_path / "two" / "export" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "two" / "export" / "adapter" / "adapter_config.json").read_text())["kind"] == kind
+
+
+def test_the_sampled_model_is_the_base_with_the_trained_adapter(base, tmp_path):
+    """``load_pipeline`` rebuilds an adapter checkpoint from its base (model.init_from) and its adapters (EMA):
+    the base layers are the base file's, the adapters the checkpoint's, and the adapted model differs from the
+    base."""
+    from difftrain.inference import load_pipeline
+    from difftrain.models.lora import adapters_disabled, base_name, is_adapter
+
+    cfg = _config(tmp_path / "a.toml", base, "adapter.kind=lora", "train.steps=4")
+    _train(cfg, tmp_path / "run")
+    pipe, _, info = load_pipeline(tmp_path / "run")
+    dit = pipe.model["dit"]
+    base_sd = load_file(str(base / "model.safetensors"))
+    for k, v in dit.named_parameters():
+        if not is_adapter(k):
+            assert torch.equal(v.detach(), base_sd[f"dit.{base_name(k)}"].to(v.dtype)), k
+    ema = load_file(str(tmp_path / "run" / "export" / "adapter" / "model.safetensors"))
+    for k, v in dit.named_parameters():
+        if is_adapter(k):
+            assert torch.allclose(v.detach(), ema[f"dit.{k}"].float()), k
+    x = torch.randn(1, 16, dit.params.in_channels)
+    ids = torch.zeros(1, 16, 3, dtype=torch.long)
+    ids[0, :, 1], ids[0, :, 2] = torch.arange(16) // 4, torch.arange(16) % 4
+    txt, vec = torch.randn(1, 5, dit.params.text_dim), torch.randn(1, dit.params.pooled_dim)
+    t = torch.tensor([0.7])
+    with torch.no_grad():
+        adapted = dit(x, ids, txt, t, vec)
+        with adapters_disabled(dit):
+            plain = dit(x, ids, txt, t, vec)
+    assert (adapted - plain).abs().max() > 1e-4
+
+
+def test_a_changed_base_is_refused_on_resume(base, tmp_path):
+    """The adapters were trained on one base; the file at model.init_from is changed (same size, one weight
+    moved): the resume is refused naming both digests, and the checkpoint is left as it was."""
+    mine = tmp_path / "base"
+    shutil.copytree(base, mine)
+    cfg = _config(tmp_path / "a.toml", mine, "adapter.kind=lora", "train.steps=4")
+    _train(cfg, tmp_path / "run")
+    sd = load_file(str(mine / "model.safetensors"))
+    k = next(k for k in sd if k.endswith("qkv.weight"))
+    sd[k] = sd[k] + 0.01
+    save_file(sd, str(mine / "model.safetensors"), metadata=safe_open(str(base / "model.safetensors"), "pt").metadata())
+    more = _config(tmp_path / "b.toml", mine, "adapter.kind=lora", "train.steps=6")
+    proc = subprocess.run([sys.executable, "-m", "difftrain", "train", str(more), "--run-dir", str(tmp_path / "run"),
+                           "--no-progress", "--allow-config-change", "train.steps"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    err = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "adapters were trained on the base" in err[0] and "model.init_from" in err[0], \
+        proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest", "step_00000004"]
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["adapter.kind=lora", "adapter.targets=['nope']"], "adapter.targets"),
+    (["adapter.kind=lora", "model.init_from="], "model.init_from"),
+    (["adapter.kind=lokr", "train.fp8=all"], "train.fp8"),
+    (["adapter.kind=dora"], "adapter.kind"),
+    (["adapter.kind=lora", "adapter.rank=0"], "adapter.rank"),
+    (["adapter.kind=lora", "adapter.dropout=1.5"], "adapter.dropout"),
+])
+def test_each_refusal_is_one_line_naming_the_key(base, tmp_path, sets, key):
+    args = [f"--set={s}" for s in RUN + ADAPTED + [f"model.init_from={base}", "train.steps=2", *sets]]
+    proc = subprocess.run([sys.executable, "-m", "difftrain", "train", "shapes-tiny", "--run-dir", str(tmp_path / "r"),
+                           "--no-progress", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    err = [x for x in proc.stderr.splitlines() if x.startswith("error:")]       # (torchao's import notes aside)
+    assert len(err) == 1 and key in err[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "r" / "checkpoints").exists() or not any((tmp_path / "r" / "checkpoints").iterdir())
+
+
+def test_dpo_adapter_kinds_need_the_lora_reference(tmp_path):
+    from difftrain.train.adapters import check_adapter_config
+
+    cfg = load_config(None, ["adapter.kind=lokr", "dpo.reference=copy"])
+    with pytest.raises(UserError, match="dpo.reference"):
+        check_adapter_config(cfg, dpo=True)
+    spec = check_adapter_config(load_config(None, ["dpo.reference=lora", "dpo.lora_rank=8"]), dpo=True)
+    assert (spec.kind, spec.rank, spec.key) == ("lora", 8, "dpo")
+    spec = check_adapter_config(load_config(None, ["dpo.reference=lora", "adapter.kind=lokr"]), dpo=True)
+    assert spec.kind == "lokr"
