@@ -31,6 +31,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--quant", choices=("fp8", "mxfp8", "nvfp4"), default=None,
                    help="write the linears sample --quant quantizes in that format, with their scales (difftrain "
                         "layout; for serving: model.init_from refuses it)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a run with an adapter (adapter.kind lora/lokr): write the adapter alone in diffusers' LoRA "
+                        "format for FLUX (OUT/pytorch_lora_weights.safetensors; load_lora_adapter / "
+                        "load_lora_weights load it)")
 
     p = sub.add_parser("report", help="an HTML page and a PNG of a run's loss, throughput, MFU, data wait, "
                                       "checkpoint stalls, restarts and skipped steps, with its latest samples")
@@ -74,6 +78,13 @@ def _guidance_arg(p) -> None:
 def cmd_export(args) -> int:
     from difftrain.export import export_checkpoint
 
+    if args.adapter:
+        if args.layout != "difftrain" or args.quant or args.dtype != "auto":
+            raise UserError("export --adapter writes diffusers' LoRA format in fp32: --layout, --quant and --dtype "
+                            "do not apply")
+        from difftrain.adapter_export import export_adapter
+        print(json.dumps(export_adapter(args.checkpoint, args.out, weights=args.weights, overwrite=args.overwrite)))
+        return 0
     print(json.dumps(export_checkpoint(args.checkpoint, args.out, weights=args.weights, layout=args.layout,
                                        dtype=args.dtype, overwrite=args.overwrite, quant=args.quant)))
     return 0

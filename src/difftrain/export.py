@@ -79,6 +79,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
     _check_out(out, ckpt, overwrite)
     if not isinstance(info.get("config"), dict):
         raise UserError(f"{ckpt}/trainer.json: no 'config' table: cannot tell which model these weights are")
+    if "adapter" in info:
+        raise UserError(f"{ckpt}: holds an adapter ({info['adapter'].get('kind')}) and not its frozen base: "
+                        "'difftrain export CKPT OUT --adapter' writes the adapter for diffusers; a merged model is the "
+                        "run's own export with adapter.export = 'merge'")
     cfg = from_dict(info["config"], f"{ckpt}/trainer.json")
     step = int(info["step"])
 

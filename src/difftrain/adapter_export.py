@@ -1,0 +1,148 @@
+"""``difftrain export CKPT OUT --adapter``: a run's adapter in diffusers' LoRA format for FLUX.
+
+Writes ``OUT/pytorch_lora_weights.safetensors`` with keys ``transformer.<diffusers module>.lora_A.weight`` /
+``lora_B.weight`` (LoRA) or ``transformer.<module>.lokr_w1`` ... (LoKr), which
+``FluxTransformer2DModel.load_lora_adapter`` (and a pipeline's ``load_lora_weights``) load, plus
+``OUT/adapter_config.json`` (the run's adapter and its base). The scale alpha / rank is folded into one factor (LoRA's
+B, LoKr's first), so the file needs no alpha: diffusers loads it at scale 1.
+
+Our fused layers map onto diffusers' split projections exactly: a LoRA on a fused ``qkv`` (or a single block's
+``linear1``, q/k/v and the MLP input) becomes one LoRA per piece with the shared A copied and B cut by rows, since
+each piece's update is B[rows] @ A. A LoKr's update kron(w1, w2) cannot be cut that way in general; a LoKr on a
+double block's ``qkv`` maps onto diffusers' fused ``to_qkv`` / ``to_added_qkv`` (which diffusers builds when it
+loads such a file), and a LoKr on a single block's ``linear1`` (q/k/v fused with the MLP input, which diffusers keeps
+apart) is refused with what to do instead. The final layer's adaLN (ordered (shift, scale) here, (scale, shift) in
+diffusers) has its B halves swapped, as the base's weights are.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from difftrain.config import from_dict
+from difftrain.errors import UserError
+from difftrain.models.flux_adapter import _DOUBLE, _DOUBLE_FUSED, _GUIDANCE, _SINGLE, _SINGLE_FUSED, _TOP, \
+    FINAL_ADALN
+from difftrain.models.lora import split_name
+from difftrain.train.checkpoint import Checkpointer
+
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+PREFIX = "transformer."
+
+
+def _module_plan(double_blocks: int, single_blocks: int, hidden: int) -> dict[str, list[tuple[str, int | None]]]:
+    """Our linear layer -> [(diffusers module, rows or None for all)], the pieces in row order."""
+    plan: dict[str, list[tuple[str, int | None]]] = {}
+    for o, d in _TOP + _GUIDANCE:
+        plan[o] = [(d, None)]
+    plan[FINAL_ADALN[0]] = [(FINAL_ADALN[1], None)]
+    for i in range(double_blocks):
+        for o, d in _DOUBLE:
+            plan[f"double_blocks.{i}.{o}"] = [(f"transformer_blocks.{i}.{d}", None)]
+        for o, ds in _DOUBLE_FUSED:
+            plan[f"double_blocks.{i}.{o}"] = [(f"transformer_blocks.{i}.{d}", hidden) for d in ds]
+    for i in range(single_blocks):
+        for o, d in _SINGLE:
+            plan[f"single_blocks.{i}.{o}"] = [(f"single_transformer_blocks.{i}.{d}", None)]
+        for o, ds in _SINGLE_FUSED:
+            plan[f"single_blocks.{i}.{o}"] = [(f"single_transformer_blocks.{i}.{d}", hidden) for d in ds[:3]] + \
+                [(f"single_transformer_blocks.{i}.{ds[3]}", None)]
+    return plan
+
+
+def _swap_halves(t: Tensor) -> Tensor:
+    a, b = t.chunk(2, dim=0)
+    return torch.cat((b, a), dim=0)
+
+
+def to_diffusers_adapter(kind: str, factors: dict[str, dict[str, Tensor]], scale: float, double_blocks: int,
+                         single_blocks: int, hidden: int) -> dict[str, Tensor]:
+    """Our adapter (layer -> {factor: full tensor}) -> diffusers' keys, the scale folded in."""
+    plan = _module_plan(double_blocks, single_blocks, hidden)
+    out: dict[str, Tensor] = {}
+    for layer, f in sorted(factors.items()):
+        if layer not in plan:
+            raise UserError(f"export --adapter: the adapted layer {layer!r} has no counterpart in diffusers' "
+                            "FluxTransformer2DModel")
+        pieces = plan[layer]
+        final = layer == FINAL_ADALN[0]
+        if kind == "lora":
+            a, b = f["lora_A"].float(), f["lora_B"].float() * scale
+            if final:
+                b = _swap_halves(b)
+            at = 0
+            for module, rows in pieces:
+                n = b.shape[0] - at if rows is None else rows
+                out[f"{PREFIX}{module}.lora_A.weight"] = a.clone()          # a copy each: the file holds each once
+                out[f"{PREFIX}{module}.lora_B.weight"] = b[at:at + n].contiguous()
+                at += n
+            continue
+        if final:
+            raise UserError(f"export --adapter: a LoKr on {layer!r} (its halves are swapped in diffusers' layout) "
+                            "cannot be expressed as a LoKr there; leave it out of adapter.targets")
+        if len(pieces) == 4:
+            raise UserError(f"export --adapter: a LoKr on {layer!r} (a single block's q/k/v fused with its MLP input, "
+                            "which diffusers keeps apart) has no exact LoKr there; train LoKr without 'linear1' in "
+                            "adapter.targets, or LoRA, or export a merged model (adapter.export = 'merge')")
+        module = pieces[0][0]
+        if len(pieces) == 3:            # q, k, v: diffusers' fused projection (built when it loads the file)
+            module = module.rsplit(".", 1)[0] + (".to_qkv" if pieces[0][0].endswith("to_q") else ".to_added_qkv")
+        first = "lokr_w1" if "lokr_w1" in f else "lokr_w1_a"
+        for name, t in f.items():
+            out[f"{PREFIX}{module}.{name}"] = (t.float() * scale if name == first else t.float()).contiguous()
+    return out
+
+
+def export_adapter(checkpoint: str | Path, out: str | Path, weights: str = "ema", overwrite: bool = False) -> dict:
+    """Write a checkpoint's adapter (its EMA by default) in diffusers' format to the folder ``out``."""
+    from safetensors.torch import save_file
+
+    from difftrain.export import WEIGHTS, _check_out, _publish, _read_metadata
+    from difftrain.train.adapters import spec_of_checkpoint
+
+    if weights not in WEIGHTS:
+        raise UserError(f"export --weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    info = Checkpointer.read_info(checkpoint)
+    ckpt = Path(info["path"])
+    if "adapter" not in info:
+        raise UserError(f"{ckpt}: this run trained no adapter (adapter.kind = 'none'): export it without --adapter")
+    out = Path(out)
+    _check_out(out, ckpt, overwrite)
+    cfg = from_dict(info["config"], f"{ckpt}/trainer.json")
+    spec = spec_of_checkpoint(info)
+    prefix = WEIGHTS[weights]
+    if prefix == "ema" and not cfg.train.ema_decay:
+        raise UserError(f"{ckpt}: no EMA weights in this checkpoint (trained with train.ema_decay = 0): use "
+                        "--weights raw")
+    metadata = _read_metadata(ckpt)
+    tensors = {k[len(prefix) + 1:]: torch.empty(tuple(md.size), dtype=torch.float32)
+               for k, md in metadata.state_dict_metadata.items()
+               if k.startswith(prefix + ".dit.") and split_name(k) is not None}
+    if not tensors:
+        raise UserError(f"{ckpt}: no adapter tensors ({prefix}.*lora_*/lokr_*) in this checkpoint")
+    Checkpointer.load_tensors(ckpt, prefix, tensors)
+    factors: dict[str, dict[str, Tensor]] = {}
+    for name, t in tensors.items():
+        layer, part = split_name(name)
+        factors.setdefault(layer[len("dit."):], {})[part] = t
+    m = cfg.model
+    sd = to_diffusers_adapter(spec.kind, factors, spec.scale, m.double_blocks, m.single_blocks, m.hidden)
+    tmp = out.parent / f"{out.name}.partial-{secrets.token_hex(4)}"
+    try:
+        tmp.mkdir(parents=True)
+        save_file(sd, str(tmp / LORA_WEIGHTS), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(
+            {**spec.describe(), "layout": "diffusers", "scale_folded": True, "step": int(info["step"]),
+             "weights": weights, "base": info.get("adapter_base")}, indent=1) + "\n")
+        _publish(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": str(out), "tensors": len(sd), "layers": len(factors), "kind": spec.kind, "step": int(info["step"]),
+            "weights": weights, "layout": "diffusers-lora"}
