@@ -174,3 +174,80 @@ def test_dpo_adapter_kinds_need_the_lora_reference(tmp_path):
     assert (spec.kind, spec.rank, spec.key) == ("lora", 8, "dpo")
     spec = check_adapter_config(load_config(None, ["dpo.reference=lora", "adapter.kind=lokr"]), dpo=True)
     assert spec.kind == "lokr"
+
+
+@pytest.fixture(scope="module")
+def adapter_run(base, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("adapter_run")
+    _train(_config(root / "a.toml", base, "adapter.kind=lora", "train.steps=4"), root / "run")
+    return root / "run"
+
+
+def _dit_out(pipe) -> torch.Tensor:
+    dit = pipe.model["dit"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, dit.params.in_channels, generator=g)
+    ids = torch.zeros(2, 16, 3, dtype=torch.long)
+    ids[:, :, 1], ids[:, :, 2] = torch.arange(16) // 4, torch.arange(16) % 4
+    txt, vec = torch.randn(2, 5, dit.params.text_dim, generator=g), torch.randn(2, dit.params.pooled_dim, generator=g)
+    with torch.no_grad():
+        return dit(x, ids, txt, torch.tensor([0.3, 0.8]), vec)
+
+
+def test_adapters_folded_at_a_strength_when_sampling(base, adapter_run):
+    """``--adapter`` on a base: folded into the weights, it computes what the adapter run itself computes (its
+    adapters live in peft layers); its export/adapter folder is the same adapter; scale 0 is the base; two adapters
+    add up (the same one twice at 1 = once at 2)."""
+    from difftrain.inference import load_pipeline
+
+    base_run = base.parent
+    plain = _dit_out(load_pipeline(base_run)[0])
+    own = _dit_out(load_pipeline(adapter_run)[0])
+    pipe, _, info = load_pipeline(base_run, adapters=[(str(adapter_run), 1.0)])
+    assert info["adapters"][0]["kind"] == "lora" and info["adapters"][0]["scale"] == 1.0
+    folded = _dit_out(pipe)
+    assert (own - plain).abs().max() > 1e-4
+    assert torch.allclose(folded, own, atol=1e-5, rtol=0)
+    assert torch.allclose(_dit_out(load_pipeline(base_run, adapters=[(str(adapter_run / "export" / "adapter"), 1.0)])[0]),
+                          own, atol=1e-5, rtol=0)
+    assert torch.equal(_dit_out(load_pipeline(base_run, adapters=[(str(adapter_run), 0.0)])[0]), plain)
+    twice = _dit_out(load_pipeline(base_run, adapters=[(str(adapter_run), 1.0)] * 2)[0])
+    double = _dit_out(load_pipeline(base_run, adapters=[(str(adapter_run), 2.0)])[0])
+    assert torch.allclose(twice, double, atol=1e-5, rtol=0) and (double - folded).abs().max() > 1e-5
+
+
+def test_sample_eval_and_candidates_take_adapters_and_refuse_bad_ones(base, adapter_run, tmp_path):
+    base_run = str(base.parent)
+    run = [sys.executable, "-m", "difftrain"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def cli(*args, ok=True):
+        proc = subprocess.run(run + list(args), capture_output=True, text=True, timeout=300, env=env)
+        assert (proc.returncode == 0) == ok, proc.stderr[-2000:]
+        if not ok:
+            err = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+            assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+            return err[0]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    got = cli("sample", base_run, "--prompt", "a red circle", "--num-images", "1", "--steps", "2", "--out",
+              str(tmp_path / "s"), "--adapter", str(adapter_run), "--adapter-scale", "0.5")
+    assert got["adapters"][0]["scale"] == 0.5 and Path(got["images"][0]).is_file()
+    got = cli("eval", base_run, "--json", "--n", "2", "--steps", "2", "--adapter", str(adapter_run))
+    assert got["adapters"][0]["path"] == str(Path(adapter_run, "checkpoints", "step_00000004"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\n")
+    cli("candidates", base_run, str(prompts), "--k", "1", "--out", str(tmp_path / "c"), "--steps", "2",
+        "--no-progress", "--adapter", str(adapter_run))
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["adapters"][0]["scale"] == 1.0 and manifest["adapters"][0]["step"] == 4
+    # resuming those candidates without the adapter is refused: they would mix two models
+    assert "adapters" in cli("candidates", base_run, str(prompts), "--k", "1", "--out", str(tmp_path / "c"),
+                             "--steps", "2", "--no-progress", ok=False)
+    assert "--adapter-scale" in cli("sample", base_run, "--prompt", "x", "--adapter", str(adapter_run),
+                                    "--adapter-scale", "nan", ok=False)
+    assert "--adapter-scale" in cli("sample", base_run, "--prompt", "x", "--adapter", str(adapter_run),
+                                    "--adapter", str(adapter_run), "--adapter-scale", "1", "--adapter-scale", "1",
+                                    "--adapter-scale", "1", ok=False)
+    assert "trained no adapter" in cli("sample", base_run, "--prompt", "x", "--adapter", base_run, ok=False)
+    assert "--adapter" in cli("sample", base_run, "--prompt", "x", "--adapter", str(tmp_path), ok=False)

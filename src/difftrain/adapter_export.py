@@ -29,7 +29,7 @@ from difftrain.config import from_dict
 from difftrain.errors import UserError
 from difftrain.models.flux_adapter import _DOUBLE, _DOUBLE_FUSED, _GUIDANCE, _SINGLE, _SINGLE_FUSED, _TOP, \
     FINAL_ADALN
-from difftrain.models.lora import split_name
+from difftrain.models.lora import AdapterSpec, split_name
 from difftrain.train.checkpoint import Checkpointer
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -146,3 +146,103 @@ def export_adapter(checkpoint: str | Path, out: str | Path, weights: str = "ema"
         raise
     return {"out": str(out), "tensors": len(sd), "layers": len(factors), "kind": spec.kind, "step": int(info["step"]),
             "weights": weights, "layout": "diffusers-lora"}
+
+
+# --- adapters applied at sampling time (sample / eval / candidates --adapter PATH --adapter-scale S) ----------------
+MAX_SCALE = 10.0
+
+
+def read_adapter(path: str | Path, weights: str = "ema") -> tuple[AdapterSpec, dict[str, dict[str, Tensor]], dict]:
+    """An adapter from ``path``: a run's ``export/adapter`` folder (adapter_config.json + model.safetensors), or an
+    adapter run's checkpoint or run directory (its EMA factors, else the raw ones). Returns (spec, layer ->
+    {factor: tensor} by the plain model's layer names without ``dit.``, what it is: path, step, base)."""
+    from difftrain.export import WEIGHTS, _read_metadata
+
+    p = Path(path)
+    if (p / "adapter_config.json").is_file() and (p / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        try:
+            conf = json.loads((p / "adapter_config.json").read_text())
+            spec = AdapterSpec(conf["kind"], int(conf["rank"]), float(conf["alpha"]), tuple(conf["targets"]))
+            tensors = load_file(str(p / "model.safetensors"))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--adapter {p}: not a readable adapter folder ({type(e).__name__}: {e})") from None
+        ident = {"path": str(p.resolve()), "base": conf.get("base")}
+    else:
+        try:
+            info = Checkpointer.read_info(p)
+        except UserError as e:
+            raise UserError(f"--adapter {p}: expected an adapter run's checkpoint or run directory, or its "
+                            f"export/adapter folder ({e})") from None
+        if "adapter" not in info:
+            raise UserError(f"--adapter {p}: {info['path']} trained no adapter (adapter.kind = 'none')")
+        from difftrain.train.adapters import spec_of_checkpoint
+        spec = spec_of_checkpoint(info)
+        cfg = from_dict(info["config"], f"{info['path']}/trainer.json")
+        prefix = WEIGHTS[weights] if cfg.train.ema_decay > 0 else "model"
+        md = _read_metadata(Path(info["path"])).state_dict_metadata
+        tensors = {k[len(prefix) + 1:]: torch.empty(tuple(m.size), dtype=torch.float32) for k, m in md.items()
+                   if k.startswith(prefix + ".dit.") and split_name(k) is not None}
+        Checkpointer.load_tensors(info["path"], prefix, tensors)
+        ident = {"path": info["path"], "step": int(info["step"]), "base": info.get("adapter_base")}
+    from difftrain.models.lora import base_name
+
+    factors: dict[str, dict[str, Tensor]] = {}
+    for name, t in tensors.items():
+        split = split_name(name)
+        if split is None or not split[0].startswith("dit."):
+            raise UserError(f"--adapter {p}: unexpected tensor {name!r} (an adapter holds dit.*.lora_*/lokr_* only)")
+        factors.setdefault(base_name(split[0])[len("dit."):], {})[split[1]] = t.float()
+    if not factors:
+        raise UserError(f"--adapter {p}: holds no adapter tensors")
+    return spec, factors, ident
+
+
+def fold_adapters(dit: torch.nn.Module, adapters: list[tuple[str, float]], weights: str = "ema") -> list[dict]:
+    """Fold each adapter, at its scale, into the DiT's weights in place (W += scale * update; plain or sharded
+    weights), so that any number of them sample at the cost of none. Every adapted layer must exist in this model
+    with the adapter's shapes (refused naming the layer otherwise). Returns what was applied."""
+    from difftrain.models.lora import base_name, delta
+    from difftrain.parallel.fsdp import write_param
+
+    params = {base_name(k): v for k, v in dit.named_parameters()}
+    applied = []
+    for path, scale in adapters:
+        spec, factors, ident = read_adapter(path, weights)
+        for layer in sorted(factors):
+            w = params.get(f"{layer}.weight")
+            if w is None:
+                raise UserError(f"--adapter {path}: adapts {layer!r}, which this model does not have (an adapter "
+                                "of another architecture?)")
+            full = w.detach().full_tensor() if hasattr(w, "full_tensor") else w.detach()
+            try:
+                d = delta(spec.kind, factors[layer], spec.scale * scale, tuple(full.shape))
+            except RuntimeError as e:
+                raise UserError(f"--adapter {path}: its factors for {layer!r} do not fit the layer's weight "
+                                f"{list(full.shape)} ({e})") from None
+            if tuple(d.shape) != tuple(full.shape):
+                raise UserError(f"--adapter {path}: its update of {layer!r} is {list(d.shape)}, the layer's weight "
+                                f"{list(full.shape)}")
+            with torch.no_grad():
+                write_param(w.detach(), (full.float() + d.to(full.device)).to(full.dtype))
+        applied.append({**ident, "scale": scale, "kind": spec.kind, "rank": spec.rank, "layers": len(factors)})
+    return applied
+
+
+def parse_adapter_args(paths: list[str] | None, scales: list[float] | None) -> list[tuple[str, float]]:
+    """``--adapter PATH`` (repeated) with ``--adapter-scale S``: none (1 each), one for all, or one per adapter;
+    each finite and within [-10, 10]."""
+    import math
+
+    paths, scales = list(paths or []), list(scales or [])
+    if scales and not paths:
+        raise UserError("--adapter-scale without --adapter: name the adapter to scale")
+    if len(scales) not in (0, 1, len(paths)):
+        raise UserError(f"--adapter-scale given {len(scales)} times for {len(paths)} adapters: give one scale for "
+                        "all, or one per --adapter")
+    for s in scales:
+        if not math.isfinite(s) or abs(s) > MAX_SCALE:
+            raise UserError(f"--adapter-scale {s}: expected a finite strength within [-{MAX_SCALE:g}, {MAX_SCALE:g}]")
+    scales = scales or [1.0]
+    return [(p, scales[i] if len(scales) > 1 else scales[0]) for i, p in enumerate(paths)]

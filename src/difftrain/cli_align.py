@@ -25,6 +25,8 @@ def add_parsers(sub, add_set) -> None:
     p.add_argument("--batch", type=int, default=16, help="images generated together (default 16)")
     p.add_argument("--raw-weights", action="store_true", help="the raw weights instead of the EMA")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from difftrain.cli_infer import adapter_args
+    adapter_args(p)
 
     p = sub.add_parser("pairs", help="rankings of candidates (or a Pick-a-Pic file) -> preference pairs (Parquet)",
                        description="Preference pairs for 'difftrain dpo': majority over raters, ties dropped, "
@@ -77,14 +79,16 @@ def add_parsers(sub, add_set) -> None:
 
 
 def cmd_candidates(args) -> int:
+    from difftrain.adapter_export import parse_adapter_args
     from difftrain.align.candidates import generate
     from difftrain.parallel.dist import rank_world, shutdown
 
+    adapters = parse_adapter_args(args.adapter, args.adapter_scale)
     clean = False
     try:
         summary = generate(args.checkpoint, args.prompts, args.k, args.out, seed=args.seed, steps=args.steps,
                            cfg_scale=args.cfg_scale, guidance=args.guidance, batch=args.batch, raw_weights=args.raw_weights,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, adapters=adapters)
         clean = True
     finally:
         shutdown(clean)

@@ -55,6 +55,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default=None, help="output directory (default: RUN/samples/cli)")
     p.add_argument("--raw-weights", action="store_true", help="use the raw weights instead of the EMA")
     _quant_arg(p)
+    adapter_args(p)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on the shapes world",
                        description="Generate for N prompts per task and read them back with the shapes evaluator.")
@@ -68,6 +69,15 @@ def add_parsers(sub) -> None:
                    help="draw another prompt set and other noise (default: eval.seed and sample.seed)")
     p.add_argument("--grid", default=None, help="also write a PNG grid of the generated samples here")
     _quant_arg(p)
+    adapter_args(p)
+
+
+def adapter_args(p) -> None:
+    p.add_argument("--adapter", action="append", metavar="PATH", default=None,
+                   help="fold in an adapter: an adapter run (its run or checkpoint directory) or its export/adapter "
+                        "folder; repeat for several")
+    p.add_argument("--adapter-scale", action="append", type=float, metavar="S", default=None,
+                   help="strength of the adapters (one for all, or one per --adapter; default 1; within [-10, 10])")
 
 
 def _guidance_arg(p) -> None:
@@ -105,8 +115,9 @@ def cmd_sample(args) -> int:
     from difftrain.images import caption_grid, read_image, write_png
     from difftrain.inference import guidance_scale, load_pipeline, request_batch
 
+    from difftrain.adapter_export import parse_adapter_args
     pipe, cfg, info = load_pipeline(args.checkpoint, use_ema=not args.raw_weights, quant=args.quant,
-                                    guidance=args.guidance)
+                                    guidance=args.guidance, adapters=parse_adapter_args(args.adapter, args.adapter_scale))
     edit = read_image(args.edit, cfg.data.image_size) if args.edit else None
     batch = request_batch(pipe, cfg, [args.prompt] * args.num_images, edit, args.frames)
     seed = cfg.sample.seed if args.seed is None else args.seed
@@ -135,7 +146,8 @@ def cmd_sample(args) -> int:
     rows = [(([edit] if edit is not None else []) + list(imgs[b, : (imgs.shape[1] if args.frames else 1)]),
              args.prompt) for b in range(imgs.shape[0])]
     grid = caption_grid(rows, out / f"grid_{seed}.png")
-    print(json.dumps({"images": written, "grid": str(grid), **({"quant": info["quant"]} if args.quant else {})}))
+    print(json.dumps({"images": written, "grid": str(grid), **({"quant": info["quant"]} if args.quant else {}),
+                      **({"adapters": info["adapters"]} if "adapters" in info else {})}))
     return 0
 
 
@@ -146,7 +158,9 @@ def cmd_eval(args) -> int:
     from difftrain.images import caption_grid
     from difftrain.inference import guidance_scale, load_pipeline
 
-    pipe, cfg, info = load_pipeline(args.checkpoint, quant=args.quant, guidance=args.guidance)
+    from difftrain.adapter_export import parse_adapter_args
+    pipe, cfg, info = load_pipeline(args.checkpoint, quant=args.quant, guidance=args.guidance,
+                                    adapters=parse_adapter_args(args.adapter, args.adapter_scale))
     world_seed, noise_seed = (cfg.eval.seed, cfg.sample.seed) if args.seed is None else (args.seed, args.seed)
     from difftrain.parallel.dist import rank_world
     buckets = [name for name, _, _ in eval_buckets(cfg)]
@@ -173,6 +187,7 @@ def cmd_eval(args) -> int:
                 pixels.update(np.ascontiguousarray(im).tobytes())
         print(json.dumps({**{k: metrics[k] for k in EVAL_KEYS}, "stage": metrics["stage"],
                           **({"quant": info["quant"]} if args.quant else {}),
+                          **({"adapters": info["adapters"]} if "adapters" in info else {}),
                           "checkpoint": str(info["path"]), "step": int(info["step"]),
                           "seeds": [world_seed, noise_seed], "prompts_sha256": prompts,
                           "images_sha256": pixels.hexdigest(),

@@ -33,11 +33,14 @@ def guidance_scale(cfg: Config, requested: float | None) -> float:
 
 
 def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, use_ema: bool = True,
-                  quant: str | None = None, guidance: float | None = None) -> tuple[Pipeline, Config, dict]:
+                  quant: str | None = None, guidance: float | None = None,
+                  adapters: list[tuple[str, float]] = ()) -> tuple[Pipeline, Config, dict]:
     """A ready pipeline from a checkpoint directory (or a run directory, or ``.../checkpoints/latest``),
     with the EMA weights when the run kept them. ``quant`` ("fp8" | "mxfp8" | "nvfp4"): the DiT's block linears
     quantized for inference (``models.quant``; the model then runs in bf16), described in ``info["quant"]``.
-    ``guidance``: the embedded guidance of a guidance-distilled model (default: the run's ``sample.guidance``)."""
+    ``guidance``: the embedded guidance of a guidance-distilled model (default: the run's ``sample.guidance``).
+    ``adapters``: (path, scale) of adapters folded into the weights before sampling (``adapter_export.fold_adapters``;
+    before ``quant``), described in ``info["adapters"]``."""
     if guidance is not None and not 0 < guidance <= 100:
         raise UserError(f"--guidance {guidance}: expected a scale in (0, 100] (FLUX.1-dev: 3.5)")
     if quant is not None:
@@ -88,6 +91,9 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
         params = load_base(model, cfg, info)
     Checkpointer.load_tensors(info["path"], "ema" if use_ema and cfg.train.ema_decay > 0 else "model", params)
     model.eval().requires_grad_(False)
+    if adapters:
+        from difftrain.adapter_export import fold_adapters
+        info = {**info, "adapters": fold_adapters(model["dit"], list(adapters), "ema" if use_ema else "raw")}
     amp = amp_dtype(cfg.train.precision, device)
     if quant:
         from difftrain.models.quant import quantize_dit

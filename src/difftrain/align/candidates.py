@@ -149,7 +149,7 @@ def _write_png(img: np.ndarray, path: Path) -> None:
 
 def generate(checkpoint: str, prompts_path: str, k: int, out: str, *, seed: int = 0, steps: int | None = None,
              cfg_scale: float | None = None, guidance: float | None = None, batch: int = 16, raw_weights: bool = False,
-             progress: bool = True) -> dict:
+             progress: bool = True, adapters: list[tuple[str, float]] = ()) -> dict:
     if k < 1:
         raise UserError(f"--k {k}: expected a number of candidates >= 1")
     if batch < 1:
@@ -161,7 +161,7 @@ def generate(checkpoint: str, prompts_path: str, k: int, out: str, *, seed: int 
     from difftrain.parallel.dist import gather_objects, rank_world
     from difftrain.train.verification import checkpoint_digest
 
-    pipe, cfg, info = load_pipeline(checkpoint, use_ema=not raw_weights, guidance=guidance)
+    pipe, cfg, info = load_pipeline(checkpoint, use_ema=not raw_weights, guidance=guidance, adapters=adapters)
     weights = "ema" if not raw_weights and cfg.train.ema_decay > 0 else "model"
     sampler = {"sampler": "euler", "steps": steps or cfg.sample.steps, "cfg_scale": guidance_scale(cfg, cfg_scale),
                "shift": [cfg.sample.shift, cfg.sample.shift_value], "image_size": cfg.data.image_size,
@@ -169,6 +169,8 @@ def generate(checkpoint: str, prompts_path: str, k: int, out: str, *, seed: int 
     manifest = {"format": FORMAT, "checkpoint": str(Path(info["path"]).resolve()), "step": int(info.get("step", 0)),
                 "run": Path(info["path"]).parent.parent.name, "digest": checkpoint_digest(info["path"]),
                 "weights": weights, "sampler": sampler, "k": k, "seed": seed,
+                "adapters": [{"path": a["path"], "step": a.get("step"), "scale": a["scale"]}
+                             for a in info.get("adapters", [])],
                 "prompts": [{key: v for key, v in asdict(q).items() if key != "line"} for q in prompts]}
     rank, ranks = rank_world()
     outdir = Path(out)
@@ -176,7 +178,8 @@ def generate(checkpoint: str, prompts_path: str, k: int, out: str, *, seed: int 
     if rank == 0:
         if mpath.is_file():
             old = json.loads(mpath.read_text())
-            same = {key: old.get(key) for key in ("digest", "weights", "sampler", "k", "seed", "prompts")}
+            same = {key: old.get(key, [] if key == "adapters" else None)
+                    for key in ("digest", "weights", "sampler", "k", "seed", "prompts", "adapters")}
             if same != {key: manifest[key] for key in same}:
                 diff = [key for key in same if same[key] != manifest[key]]
                 raise UserError(f"{outdir}: holds candidates made with other settings ({', '.join(diff)} differ): "
