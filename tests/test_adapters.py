@@ -63,15 +63,33 @@ def _checkpoint_keys(step_dir: Path) -> list[str]:
     return keys
 
 
-@pytest.mark.parametrize("kind", ["lora", "lokr"])
-def test_an_adapter_on_two_ranks_is_one_rank_and_resumes_exactly(base, tmp_path, kind):
-    """8 steps on 2 FSDP2 ranks; 4 steps on 1 rank, then resumed to 8: the same losses. The checkpoints hold the
-    adapters (and the small frozen word encoder), their optimizer state and EMA, none of the base; the base's digest
-    is recorded; the export holds the adapter apart (the base is model.init_from, the user's own file)."""
-    cfg = _config(tmp_path / "a.toml", base, f"adapter.kind={kind}", "train.steps=8")
+@pytest.fixture(scope="module")
+def base128(tmp_path_factory) -> Path:
+    """A base whose block linears all hold whole NF4 blocks (64 x 256 values: width 128)."""
+    root = tmp_path_factory.mktemp("adapters128")
+    cfg = root / "base.toml"
+    cfg.write_text(to_toml(load_config(None, RUN + WIDE + ["train.steps=10", "train.lr=3e-3",
+                                                           "train.checkpoint_every=0"])))
+    assert main(["train", str(cfg), "--run-dir", str(root / "base"), "--no-progress"]) == 0
+    return root / "base" / "export"
+
+
+WIDE = ["model.hidden=128", "model.axes_dims_rope=[16, 24, 24]"]
+
+
+@pytest.mark.parametrize("kind, precision", [("lora", "bf16"), ("lokr", "fp8"), ("lora", "nf4")])
+def test_an_adapter_on_two_ranks_is_one_rank_and_resumes_exactly(base, base128, tmp_path, kind, precision):
+    """8 steps on 2 FSDP2 ranks; 4 steps on 1 rank, then resumed to 8: the same losses, on a full-precision and on
+    an fp8 and an nf4 base (not sharded: whole on each rank). The checkpoints hold the adapters (and the small frozen
+    word encoder), their optimizer state and EMA, none of the base; the base's digest is recorded; the export holds
+    the adapter apart (the base is model.init_from, the user's own file)."""
+    if precision == "nf4":
+        base = base128
+    sets = [f"adapter.kind={kind}", f"adapter.base_precision={precision}", *(WIDE if precision == "nf4" else [])]
+    cfg = _config(tmp_path / "a.toml", base, *sets, "train.steps=8")
     two = _train(cfg, tmp_path / "two", 2)
     assert json.loads(two.stdout.strip().splitlines()[-1])["world_size"] == 2
-    short = _config(tmp_path / "short.toml", base, f"adapter.kind={kind}", "train.steps=4")
+    short = _config(tmp_path / "short.toml", base, *sets, "train.steps=4")
     _train(short, tmp_path / "one")
     _train(cfg, tmp_path / "one", 1, "--allow-config-change", "train.steps")
     losses = {r: {m["step"]: m["loss"] for m in read_metrics(tmp_path / r)} for r in ("two", "one")}
@@ -251,3 +269,47 @@ def test_sample_eval_and_candidates_take_adapters_and_refuse_bad_ones(base, adap
                                     "--adapter-scale", "1", ok=False)
     assert "trained no adapter" in cli("sample", base_run, "--prompt", "x", "--adapter", base_run, ok=False)
     assert "--adapter" in cli("sample", base_run, "--prompt", "x", "--adapter", str(tmp_path), ok=False)
+
+
+@pytest.mark.parametrize("precision, kind", [("fp8", "Float8Tensor"), ("nf4", "NF4Tensor")])
+def test_a_quantized_base_holds_every_block_linear_quantized_and_trains_close_to_the_full_one(
+        base128, tmp_path, precision, kind):
+    """adapter.base_precision: every frozen block linear (the adapted ones' base layers and the modulation) is held
+    quantized, the adapters and the embedders are not; the first loss is the full-precision base's within a few
+    percent but not equal to it (the quantization is in effect); sampling rebuilds the same quantized base."""
+    from difftrain.inference import load_pipeline
+    from difftrain.models.base_quant import stored_bytes
+    from difftrain.train import build_trainer
+
+    def first_loss(p, run):
+        cfg = load_config(None, RUN + ADAPTED + WIDE + [f"model.init_from={base128}", "adapter.kind=lora",
+                                                        f"adapter.base_precision={p}", "train.steps=2"])
+        tr = build_trainer(cfg, tmp_path / run)
+        layers = {n: type(m.weight.data).__name__ for n, m in tr.dit.named_modules()
+                  if isinstance(m, torch.nn.Linear) and n.startswith(("double_blocks", "single_blocks"))
+                  and ".lora_" not in n}
+        top = type(tr.dit.img_in.weight.data).__name__
+        size = stored_bytes(tr.dit)
+        tr.fit()
+        tr.close()
+        return read_metrics(tmp_path / run)[0]["loss"], layers, top, size
+
+    full, _, _, full_bytes = first_loss("bf16", "full")
+    q, layers, top, q_bytes = first_loss(precision, "q")
+    assert layers and set(layers.values()) == {kind}, layers
+    assert top == "Tensor" and q_bytes < (0.45 if precision == "fp8" else 0.3) * full_bytes
+    assert q != full and abs(q - full) < 0.05 * full
+    pipe, _, _ = load_pipeline(tmp_path / "q")
+    assert {type(m.weight.data).__name__ for n, m in pipe.model["dit"].named_modules()
+            if isinstance(m, torch.nn.Linear) and n.startswith("double_blocks") and ".lora_" not in n} == {kind}
+
+
+def test_a_quantized_base_without_torchao_or_an_adapter_is_refused(monkeypatch):
+    from difftrain.models.base_quant import check_base_precision
+    from difftrain.train.adapters import check_adapter_config
+
+    with pytest.raises(UserError, match="adapter.base_precision.*adapter.kind"):
+        check_adapter_config(load_config(None, ["adapter.base_precision=nf4"]))
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(UserError, match="adapter.base_precision = 'fp8' needs torchao"):
+        check_base_precision("fp8", torch.device("cpu"))

@@ -215,6 +215,9 @@ def fold_adapters(dit: torch.nn.Module, adapters: list[tuple[str, float]], weigh
             if w is None:
                 raise UserError(f"--adapter {path}: adapts {layer!r}, which this model does not have (an adapter "
                                 "of another architecture?)")
+            if type(w.data) is not torch.Tensor and not hasattr(w, "full_tensor"):
+                raise UserError(f"--adapter {path}: {layer!r} of this model is quantized ({type(w.data).__name__}): "
+                                "adapters fold into full-precision weights; sample a model without a quantized base")
             full = w.detach().full_tensor() if hasattr(w, "full_tensor") else w.detach()
             try:
                 d = delta(spec.kind, factors[layer], spec.scale * scale, tuple(full.shape))

@@ -368,8 +368,11 @@ class AdapterConfig:
                        "adapter_config.json; the base beside it unless it is model.init_from, which the user has) or "
                        "'merge' (a plain model, every adapter folded into its layer)", choices=("adapter", "merge"),
                        default="adapter")
-    base_precision: str = meta("how the frozen base is held: 'bf16', unquantized (in the run's compute dtype on a "
-                               "GPU, fp32 on a CPU)", choices=("bf16",), default="bf16")
+    base_precision: str = meta("how the frozen base's block linears are held: 'bf16' unquantized (in the run's "
+                               "weights' dtype: fp32 with bf16 compute on a GPU, fp32 on a CPU); 'fp8' (float8 e4m3, "
+                               "one scale a row) or 'nf4' (4-bit NormalFloat, blocks of 64; QLoRA's) weight-only "
+                               "through torchao, not sharded by FSDP; the adapters in full precision",
+                               choices=("bf16", "fp8", "nf4"), default="bf16")
 
 
 @dataclass

@@ -20,10 +20,11 @@ log = logging.getLogger("difftrain.parallel")
 
 
 def parallelize(model: nn.ModuleDict, cfg: Config, env: ParallelEnv, param_dtype: torch.dtype | None,
-                granularity: str = "block") -> tuple[list, list]:
+                granularity: str = "block", ignored=()) -> tuple[list, list]:
     """Wrap ``model`` ({"dit", "text"?}) in place for ``env``. Returns the FSDP units and the replicated
     trainable parameters whose gradients the trainer all-reduces (both empty in a world of one).
-    ``granularity``: the FSDP units ('block' to train, 'layer' to sample; ``fsdp.fsdp_units``)."""
+    ``granularity``: the FSDP units ('block' to train, 'layer' to sample; ``fsdp.fsdp_units``). ``ignored``:
+    parameters FSDP leaves whole on every rank (a quantized frozen base)."""
     dit = model["dit"]
     if env.cp > 1:
         apply_cp(dit, env.cp, env.cp_group)
@@ -32,7 +33,8 @@ def parallelize(model: nn.ModuleDict, cfg: Config, env: ParallelEnv, param_dtype
     units, replicated = [], []
     mesh = env.fsdp_mesh()
     if mesh is not None:
-        units = apply_fsdp(model, mesh, param_dtype, cpu_offload=cfg.parallel.cpu_offload, granularity=granularity)
+        units = apply_fsdp(model, mesh, param_dtype, cpu_offload=cfg.parallel.cpu_offload, granularity=granularity,
+                           ignored=ignored)
         replicated = replicated_params(model)
     if env.is_main:
         log.info("parallelize: cp %d, activation checkpointing %s (%d blocks), compiled %d blocks, %d FSDP units",

@@ -72,11 +72,14 @@ def all_reduce_grads(params: list[nn.Parameter]) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               cpu_offload: bool = False, granularity: str = "block") -> list[FSDPModule]:
+               cpu_offload: bool = False, granularity: str = "block", ignored=()) -> list[FSDPModule]:
     """Shard the DiT of ``model`` (an ``MMDiT`` or ``{"dit", "text"?}`` ModuleDict) in place over ``mesh``
-    (1-D: FSDP; 2-D (replicate, shard): HSDP). Returns the FSDP units, innermost first (``fsdp_units``)."""
+    (1-D: FSDP; 2-D (replicate, shard): HSDP). Returns the FSDP units, innermost first (``fsdp_units``).
+    ``ignored``: parameters left whole on every rank (a quantized frozen base)."""
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision(param_dtype),
               "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    if ignored:
+        kwargs["ignored_params"] = set(ignored)
     units = fsdp_units(model, granularity)
     for unit in units:
         # The root (the DiT's embedders and head) is needed again at the start of backward: keep it

@@ -257,9 +257,11 @@ def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return local, offset[0], shape[0]
 
 
-def load_pretrained(dit: MMDiT, path: str | Path) -> dict:
+def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None) -> dict:
     """Overwrite every parameter of ``dit`` (plain or FSDP2/HSDP-sharded) with pretrained weights from ``path``,
-    reading only the rows this rank holds, cast to each parameter's dtype.
+    reading only the rows this rank holds, cast to each parameter's dtype. ``on_loaded(name)`` is called as soon
+    as a parameter (the plain model's name) is whole, and this function keeps no reference to it afterwards: a
+    frozen base is quantized layer by layer as it is read (``models.base_quant``), never whole in full precision.
 
     Returns {"kind": "diffusers" | "difftrain", "path", "files", "tensors" (our parameters written),
     "bytes_read" (by this rank), "bytes_total" (all the source tensors the model takes)}. Raises ``UserError``
@@ -316,20 +318,28 @@ def load_pretrained(dit: MMDiT, path: str | Path) -> dict:
                 if lo < hi:
                     a = s.start + lo - s.dst
                     reads[headers[s.name][0]].append((o, s.name, a, a + hi - lo, local, lo - off))
+        p = local = None
 
         written = dict.fromkeys(params, 0)
+        n_params = len(params)
+        params.clear()                               # from here the plan's items hold the only references
         bytes_read = 0
         for f, items in reads.items():             # grouped by file
             h = handles[f]
-            for o, name, a, b, local, at in items:
+            items.reverse()                        # popped from the end, in plan order
+            while items:
+                o, name, a, b, local, at = items.pop()
                 t = h.get_slice(name)[a:b]             # only these rows are read from the file
                 local[at:at + (b - a)].copy_(t)        # casts to the parameter's dtype (and device)
                 bytes_read += t.numel() * t.element_size()
                 written[o] += b - a
-    wrong = {o: f"{written[o]}/{local_rows[o]} rows" for o in params if written[o] != local_rows[o]}
+                del local, t
+                if on_loaded is not None and written[o] == local_rows[o]:
+                    on_loaded(o)
+    wrong = {o: f"{written[o]}/{local_rows[o]} rows" for o in written if written[o] != local_rows[o]}
     if wrong:
         raise RuntimeError(f"load_pretrained: parameters not written exactly once: {dict(list(wrong.items())[:6])}")
-    return {"kind": src.kind, "path": str(src.root), "files": len(src.files), "tensors": len(params),
+    return {"kind": src.kind, "path": str(src.root), "files": len(src.files), "tensors": n_params,
             "bytes_read": bytes_read, "bytes_total": sum(sizes[k] for k in expected)}
 
 

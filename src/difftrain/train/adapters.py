@@ -32,6 +32,9 @@ def check_adapter_config(cfg: Config, dpo: bool = False) -> AdapterSpec | None:
     if cfg.train.fp8 != "none" and a.kind != "none":
         raise UserError(f"train.fp8 = {cfg.train.fp8!r} with adapter.kind = {a.kind!r}: float8 training converts the "
                         "linears an adapter wraps: train the adapter with train.fp8 = 'none'")
+    if a.base_precision != "bf16" and AdapterSpec.of(cfg, dpo) is None:
+        raise UserError(f"adapter.base_precision = {a.base_precision!r} with adapter.kind = 'none': only a frozen "
+                        "base is quantized; set adapter.kind = 'lora' or 'lokr'")
     spec = AdapterSpec.of(cfg, dpo)
     if spec is not None and not dpo and not cfg.model.init_from:
         raise UserError(f"adapter.kind = {spec.kind!r} without model.init_from: an adapter trains on a frozen base; "
@@ -48,6 +51,18 @@ def adapt(cfg: Config, model: nn.ModuleDict, spec: AdapterSpec | None) -> list[s
     if "text" in model:
         model["text"].requires_grad_(False)
     return names
+
+
+def base_quantized(dit: nn.Module, cfg: Config, spec: AdapterSpec | None, device) -> dict:
+    """The base's block linears to quantize (``adapter.base_precision`` fp8 or nf4; {} otherwise), after a trial
+    on this device: by their weight's plain name."""
+    precision = cfg.adapter.base_precision
+    if spec is None or precision == "bf16":
+        return {}
+    from difftrain.models.base_quant import base_layers, check_base_precision
+
+    check_base_precision(precision, device)
+    return base_layers(dit, precision)
 
 
 def base_digest(cfg: Config, run_dir: Path, is_main: bool) -> dict:
@@ -137,6 +152,13 @@ def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
         check_same_base(saved, base_digest(cfg, run_dir, _is_main()), Path(info["path"]))
         from difftrain.parallel.pretrained import load_pretrained
         load_pretrained(dit, cfg.model.init_from)
+    precision = cfg.adapter.base_precision
+    if precision != "bf16":                  # the base the adapters were trained on: quantized as it was
+        from difftrain.models.base_quant import base_layers, quantize_layer
+        for name, p in dit.named_parameters():
+            p.requires_grad_(is_adapter(name))
+        for layer in base_layers(dit, precision).values():
+            quantize_layer(layer, precision)
     rest = {k: v.detach() for k, v in model.named_parameters() if not k.startswith("dit.")}
     if rest:                                 # a trained word encoder, frozen under the adapter: the checkpoint's
         Checkpointer.load_tensors(info["path"], "model", rest)

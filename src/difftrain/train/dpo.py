@@ -162,6 +162,8 @@ class DPOTrainer(Trainer):
         # run apart (its checkpoints hold the adapters alone)
         if fresh or self.lora:
             self._load_init(model)
+        for name in self.quantized:           # adapter.base_precision fp8 / nf4: the base read, now quantized
+            self._quantize_one(name)
         if self.lora:
             self.reference = None
             self.objective.reference = PolicyWithoutAdapters(self)

@@ -30,7 +30,7 @@ from difftrain.diffusion.flow import FlowSpec
 from difftrain.diffusion.pipeline import amp_dtype
 from difftrain.errors import UserError
 from difftrain.models import build_autoencoder, build_dit, build_text_encoder, dit_params, num_params
-from difftrain.models.lora import is_adapter
+from difftrain.models.lora import base_name, is_adapter
 from difftrain.parallel import parallelize
 from difftrain.parallel.compile import compile_count, use_compile_cache
 from difftrain.parallel.dist import ParallelEnv, all_gather_rows, all_reduce_sum, all_reduce_sum_on_device, \
@@ -39,7 +39,7 @@ from difftrain.parallel.flops import peak_flops
 from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
 from difftrain.train import faults, phases
 from difftrain.train.budget import TimeBudget
-from difftrain.train.adapters import base_digest, check_same_base, keep_in_checkpoint
+from difftrain.train.adapters import base_digest, base_quantized, check_same_base, keep_in_checkpoint
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.ema import EMA
 from difftrain.train.health import JsonLogHandler, PreemptLead, Preemption, StepHealth, Watchdog, run_id, \
@@ -224,19 +224,32 @@ class Trainer(TrainerOutputs):
         self.fp8_layers = apply_fp8(model["dit"], cfg.train.fp8, self.device)
         if cfg.train.compile and cfg.train.compile_cache != "off":
             use_compile_cache(cfg.train.compile_cache or self.run_dir / "compile_cache")
-        self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp)
+        # a quantized frozen base (adapter.base_precision): its block linears stay whole on every rank, quantized
+        # one by one as they are read
+        self.quantized = base_quantized(model["dit"], cfg, self.adapter, self.device)
+        self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp,
+                                                       ignored=[m.weight for m in self.quantized.values()])
         dit = model["dit"]
         dit.to_empty(device="cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
         # every DiT parameter is read from model.init_from (checked), the adapters' apart; with adapters the frozen
         # base is read on every start (a checkpoint holds the adapters alone)
         pretrained = bool(cfg.model.init_from) and (fresh or self.adapter is not None)
         with torch.no_grad():
-            dit.init_weights(cfg.model.init, cfg.run.seed, write_param, only=is_adapter if pretrained else None)
+            dit.init_weights(cfg.model.init, cfg.run.seed, write_param,
+                             only=is_adapter if pretrained else (lambda n: base_name(n) not in self.quantized) if self.quantized
+                             else None)
         if pretrained:
             from difftrain.parallel.pretrained import load_pretrained
-            report = load_pretrained(dit, cfg.model.init_from)
+            report = load_pretrained(dit, cfg.model.init_from, on_loaded=self._quantize_one)
             log.info("initialised from %s (%s)", cfg.model.init_from, report)
         return model
+
+    def _quantize_one(self, name: str) -> None:
+        """A base weight is whole: quantize its layer now (with adapter.base_precision fp8 or nf4)."""
+        layer = self.quantized.get(name)
+        if layer is not None:
+            from difftrain.models.base_quant import quantize_layer
+            quantize_layer(layer, self.cfg.adapter.base_precision)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW, with groups by weight decay, and sharded (DTensor) apart from replicated parameters: a

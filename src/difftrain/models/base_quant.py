@@ -1,0 +1,102 @@
+"""A quantized frozen base for adapter training (``adapter.base_precision``), through torchao, weight-only.
+
+- ``fp8``: float8 e4m3 weights with one scale per output row (``Float8WeightOnlyConfig``): 1 byte a weight.
+- ``nf4``: 4-bit NormalFloat in blocks of 64 with double-quantized scales (``NF4WeightOnlyConfig``, QLoRA's
+  format): about 0.52 bytes a weight.
+
+Quantized: every frozen linear of the double and single blocks (an adapted layer's ``base_layer``, and the linears
+no adapter targets, the modulation's included: a sixth of FLUX's weights); the embedders, the final layer, norms and
+biases stay in full precision, as do the adapters. Weights are dequantized for each matmul (in the run's compute
+dtype), so gradients reach the adapters through the quantized base as through the full one.
+
+Each layer is quantized as its weights are read (``parallel.pretrained.load_pretrained``'s ``on_loaded``): the base
+is never held whole in full precision. Under FSDP2 the quantized weights are not sharded (each rank holds the whole
+quantized base, as QLoRA on data parallelism does); everything else, the adapters among it, is sharded as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+from torch import nn
+
+from difftrain.errors import UserError
+
+PRECISIONS = ("fp8", "nf4")
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+BLOCKS = ("double_blocks.", "single_blocks.")
+
+
+def _config(precision: str):
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        if precision == "fp8":
+            from torchao.quantization import Float8WeightOnlyConfig
+            return Float8WeightOnlyConfig()
+        from torchao.prototype._nf4tensor_api import NF4WeightOnlyConfig
+        return NF4WeightOnlyConfig()
+
+
+def check_base_precision(precision: str, device: torch.device) -> None:
+    """Refuse, in one line naming the key, a precision torchao or this device cannot give: torchao missing, or a
+    trial quantization of a small layer (forward and backward) failing here."""
+    if precision not in PRECISIONS:
+        return
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise UserError(f"adapter.base_precision = {precision!r} needs torchao: pip install 'difftrain[fp8]' (torchao "
+                        "0.18 for torch 2.13)") from None
+    try:
+        layer = nn.Linear(256, 128).to(device)
+        quantize_layer(layer, precision)
+        x = torch.randn(2, 256, device=device, requires_grad=True)
+        layer(x).sum().backward()
+    except Exception as e:  # noqa: BLE001 -- whatever torchao raises on this device
+        raise UserError(f"adapter.base_precision = {precision!r}: torchao cannot quantize and run a layer on "
+                        f"{device} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); use 'bf16'") from None
+
+
+def fits(shape: tuple[int, ...], precision: str) -> bool:
+    """Whether a weight of this shape can be held in ``precision`` (nf4 needs whole blocks of 64 x 256 values)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return precision == "fp8" or n % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+
+
+def base_layers(dit: nn.Module, precision: str) -> dict[str, nn.Linear]:
+    """The frozen linears of the blocks to quantize, by their weight's plain-model name (``x.qkv.weight`` for an
+    adapted layer's ``x.qkv.base_layer``)."""
+    from difftrain.models.lora import base_name
+
+    out = {}
+    for name, m in dit.named_modules():
+        if (isinstance(m, nn.Linear) and name.startswith(BLOCKS) and ".lora_" not in name
+                and not m.weight.requires_grad and fits(tuple(m.weight.shape), precision)):
+            out[base_name(f"{name}.weight")] = m
+    return out
+
+
+def quantize_layer(module: nn.Linear, precision: str) -> None:
+    """Replace ``module``'s weight by its quantized form (in place; the module object stays, so a peft wrapper
+    holding it as its base layer sees the change)."""
+    from torchao.quantization import quantize_
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        quantize_(module, _config(precision), filter_fn=lambda m, fqn: m is module)
+    module.weight.requires_grad_(False)
+
+
+def stored_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters as stored (a quantized weight's data and scales)."""
+    total = 0
+    for p in module.parameters():
+        inner = getattr(p, "__tensor_flatten__", None)
+        if inner is not None:
+            names, _ = p.__tensor_flatten__()
+            total += sum(getattr(p, n).numel() * getattr(p, n).element_size() for n in names)
+        else:
+            total += p.numel() * p.element_size()
+    return total
