@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -356,6 +357,47 @@ def fp8_encoder(smoke: bool) -> dict:
             "fp8_encoder_memory_saved": r["fp8_encoder_memory_saved"], "fp8_encoder_ms_per_batch": r["ms_per_batch"]}
 
 
+def adapter_runs(smoke: bool) -> dict:
+    """The adapter paths only a GPU takes: a LoRA trained by ``Trainer`` (FSDP2 on one rank, bf16 autocast) on a
+    base read from a difftrain export, with the base held in bf16 (no fp32 master copy: its dtype is reported), fp8
+    and nf4 (torchao weight-only, dequantized on the GPU): losses finite, the step time and peak memory of each."""
+    import tempfile
+
+    from difftrain.config import load_config, preset_path
+    from difftrain.train import build_trainer
+
+    sets = ["train.threads=0", "train.checkpoint_every=0", "train.global_batch=2", "train.ema_decay=0",
+            "train.log_every=1", "model.hidden=128" if smoke else "model.hidden=1024",
+            "model.heads=1" if smoke else "model.heads=8", "model.axes_dims_rope=[16, 56, 56]",
+            "model.init=default"]
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build_trainer(load_config(preset_path("shapes-tiny"), sets + ["train.steps=1"]), f"{tmp}/base")
+        base.export()
+        base.close()
+        for precision in ("bf16", "fp8", "nf4"):
+            if DEVICE.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            tr = build_trainer(load_config(preset_path("shapes-tiny"), sets + [
+                "train.steps=6", "adapter.kind=lora", f"adapter.base_precision={precision}",
+                f"model.init_from={tmp}/base/export"]), f"{tmp}/{precision}")
+            try:
+                w = tr.dit.double_blocks[0].img_attn.qkv.base_layer.weight
+                t0 = time.perf_counter()
+                summary = tr.fit()
+                sync()
+                rows = [json.loads(x) for x in open(f"{tmp}/{precision}/metrics.jsonl") if '"loss"' in x]
+                out[f"adapter_{precision}"] = {
+                    "base_weight": f"{type(w.data).__name__}/{w.dtype}", "steps": summary["steps"],
+                    "losses_finite": all(math.isfinite(r["loss"]) for r in rows),
+                    "step_s": round((time.perf_counter() - t0) / max(1, summary["steps"]), 4),
+                    "max_memory_allocated_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                    if DEVICE.type == "cuda" else "not run (CPU)"}
+            finally:
+                tr.close()
+    return out
+
+
 def _guarded(out: dict, key: str, fn, *args) -> None:
     """``out`` updated with ``fn(*args)``; a missing library or a refusal (float8 before sm89) is "not run", any
     other failure an error entry."""
@@ -418,7 +460,7 @@ def main() -> None:
     _guarded(out, "tuned_calls", tuned_calls, args.smoke)
     for key, fn, fargs in (("fp8_train", fp8_train, (bf16_run, args.batch, args.steps, args.warmup, args.smoke)),
                            ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
-                           ("fp8_encoder", fp8_encoder, (args.smoke,))):
+                           ("fp8_encoder", fp8_encoder, (args.smoke,)), ("adapter", adapter_runs, (args.smoke,))):
         if key == "fp8_train" and bf16_run is None:
             out["error_fp8_train"] = "no bf16 run to compare with"
             continue

@@ -170,6 +170,16 @@ def cmd_plan(args) -> int:
 
     cfg = load_config(resolve_config(args.config), args.overrides)
     vocabulary = vocabulary_for(cfg) if cfg.text.kind == "words" else None
+    if cfg.adapter.kind != "none":      # a frozen base: the memory of each base precision
+        from difftrain.parallel.adapter_plan import adapter_plan, table
+        from difftrain.parallel.planner import _check_inputs
+        _check_inputs(args.gpus, args.gpu_mem, args.nodes, 8, "cuda")
+        result = adapter_plan(cfg, args.gpus, args.gpu_mem, vocabulary)
+        print(json.dumps(result, indent=1) if args.json else table(result, args.gpu_mem))
+        if not result["fits"]:
+            raise UserError(f"adapter.base_precision = {cfg.adapter.base_precision!r} does not fit {args.gpu_mem:g} GB "
+                            f"GPUs ({result['precisions'][cfg.adapter.base_precision]['total_gb']} GiB a GPU)")
+        return 0
     result = plan(cfg, args.gpus, args.gpu_mem, args.nodes, vocabulary=vocabulary)
     print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
     result.require_fit()      # nothing fits: the table is printed, then one error line and exit 2

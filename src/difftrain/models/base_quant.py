@@ -5,9 +5,11 @@
   format): about 0.52 bytes a weight.
 
 Quantized: every frozen linear of the double and single blocks (an adapted layer's ``base_layer``, and the linears
-no adapter targets, the modulation's included: a sixth of FLUX's weights); the embedders, the final layer, norms and
+no adapter targets, the modulation's included: a sixth of FLUX's weights), but for fp8 a layer with a row of zeros
+(its scale would be 0 / 0: an untrained adaLN-zero modulation), which stays in full precision; the embedders, the final layer, norms and
 biases stay in full precision, as do the adapters. Weights are dequantized for each matmul (in the run's compute
-dtype), so gradients reach the adapters through the quantized base as through the full one.
+dtype), in the forward and again in the backward (``_FrozenQuantizedLinear``: no layer's dequantized weight waits
+for the backward), so gradients reach the adapters through the quantized base as through the full one.
 
 Each layer is quantized as its weights are read (``parallel.pretrained.load_pretrained``'s ``on_loaded``): the base
 is never held whole in full precision. Under FSDP2 the quantized weights are not sharded (each rank holds the whole
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from difftrain.errors import UserError
@@ -79,14 +83,48 @@ def base_layers(dit: nn.Module, precision: str) -> dict[str, nn.Linear]:
     return out
 
 
+def dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A quantized weight in full precision (a new tensor, freed after its use)."""
+    w = weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight.dequantize()
+    return w.to(dtype)
+
+
+class _FrozenQuantizedLinear(torch.autograd.Function):
+    """y = x W^T + b with W quantized and frozen. Autograd through a plain ``F.linear`` would keep each layer's
+    dequantized weight until the backward, in full precision: the whole base again, which is what quantizing it
+    was meant to avoid. This keeps the quantized weight and dequantizes it again for the input's gradient (as
+    QLoRA's 4-bit matmul does): one layer's full-precision weight alive at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.weight = weight
+        return F.linear(x, dequantized(weight, x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out @ dequantized(ctx.weight, grad_out.dtype), None, None
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    with torch.autocast(x.device.type, enabled=False):
+        return _FrozenQuantizedLinear.apply(x, self.weight, self.bias)
+
+
 def quantize_layer(module: nn.Linear, precision: str) -> None:
     """Replace ``module``'s weight by its quantized form (in place; the module object stays, so a peft wrapper
-    holding it as its base layer sees the change)."""
+    holding it as its base layer sees the change), computed by ``_FrozenQuantizedLinear``."""
     from torchao.quantization import quantize_
 
+    if precision == "fp8" and bool((module.weight.detach().abs().amax(dim=1) == 0).any()):
+        return          # a row of zeros has no fp8 scale (0 / 0): such a layer stays in full precision
     with contextlib.redirect_stderr(io.StringIO()):
         quantize_(module, _config(precision), filter_fn=lambda m, fqn: m is module)
     module.weight.requires_grad_(False)
+    if module.bias is not None:
+        module.bias.requires_grad_(False)
+    module.forward = types.MethodType(_forward, module)
 
 
 def stored_bytes(module: nn.Module) -> int:

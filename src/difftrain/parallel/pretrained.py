@@ -20,7 +20,9 @@ along dim 0, of *segments*: row ranges of source tensors. A rename is one segmen
 q/k/v(/mlp) projection is one segment per diffusers piece, in order; the final adaLN, whose two halves diffusers
 stores swapped, is two segments (the source's second half, then its first half) -- so its row range is mapped
 like any other, never read whole. A rank intersects its rows with the segments and reads exactly the overlaps,
-``safe_open(f).get_slice(name)[a:b]``, one file at a time, every file opened once. No pickle anywhere.
+with plain reads at the rows' offsets (``train.reader.SafetensorsFile``: not a memory map, whose touched pages
+would stay in the process's resident memory), one file at a time, every file opened once. Headers are read with ``safe_open``. No
+pickle anywhere.
 
 Every DiT parameter is overwritten (the model's own initialisation, before or after which this may be called,
 does not matter for the result) and each is checked to have been written exactly once.
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 from difftrain.errors import UserError
+from difftrain.train.reader import SafetensorsFile
 from difftrain.models.dit import DiTParams, MMDiT
 from difftrain.models.flux_adapter import FINAL_ADALN, tensor_plan, params_from_diffusers_config, to_diffusers
 
@@ -325,12 +328,18 @@ def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None) -> dict:
         params.clear()                               # from here the plan's items hold the only references
         bytes_read = 0
         for f, items in reads.items():             # grouped by file
-            h = handles[f]
+            h = stack.enter_context(SafetensorsFile(f))
             items.reverse()                        # popped from the end, in plan order
             while items:
                 o, name, a, b, local, at = items.pop()
-                t = h.get_slice(name)[a:b]             # only these rows are read from the file
-                local[at:at + (b - a)].copy_(t)        # casts to the parameter's dtype (and device)
+                dest = local[at:at + (b - a)]
+                try:                               # only these rows, read straight into the parameter where it can
+                    t = h.read(name, (slice(a, b),), out=dest)
+                except (KeyError, ValueError) as e:
+                    raise UserError(f"init_from {f}: {e}") from None
+                if t is not dest:
+                    dest.copy_(t)                  # casts to the parameter's dtype (and device)
+                del dest
                 bytes_read += t.numel() * t.element_size()
                 written[o] += b - a
                 del local, t

@@ -65,6 +65,26 @@ def base_quantized(dit: nn.Module, cfg: Config, spec: AdapterSpec | None, device
     return base_layers(dit, precision)
 
 
+def frozen_to_bf16(dit: nn.Module, quantized: set[str]) -> int:
+    """Under bf16 autocast the frozen base needs no fp32 master copy: its parameters (on the meta device, before
+    wrapping) become bf16, the adapters stay fp32 (FSDP2 wants one dtype among trainable parameters only; the
+    all-gather casts every parameter to bf16 anyway). Layers to quantize are left as they are. Returns the
+    parameters cast."""
+    import torch
+
+    from difftrain.models.lora import base_name
+
+    n = 0
+    for prefix, module in dit.named_modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            full = f"{prefix}.{name}" if prefix else name
+            if p.requires_grad or base_name(full) in quantized or p.dtype != torch.float32:
+                continue
+            setattr(module, name, nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False))
+            n += 1
+    return n
+
+
 def base_digest(cfg: Config, run_dir: Path, is_main: bool) -> dict:
     """The frozen base's identity: the files of ``model.init_from`` (sha256 of each file's content, kept in
     ``RUN/base_digest.json`` by size and mtime so that a restart does not read a 24 GB base again). Rank 0 reads the

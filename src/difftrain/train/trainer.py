@@ -39,7 +39,8 @@ from difftrain.parallel.flops import peak_flops
 from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
 from difftrain.train import faults, phases
 from difftrain.train.budget import TimeBudget
-from difftrain.train.adapters import base_digest, base_quantized, check_same_base, keep_in_checkpoint
+from difftrain.train.adapters import base_digest, base_quantized, check_same_base, frozen_to_bf16, \
+    keep_in_checkpoint
 from difftrain.train.checkpoint import Checkpointer
 from difftrain.train.ema import EMA
 from difftrain.train.health import JsonLogHandler, PreemptLead, Preemption, StepHealth, Watchdog, run_id, \
@@ -227,6 +228,8 @@ class Trainer(TrainerOutputs):
         # a quantized frozen base (adapter.base_precision): its block linears stay whole on every rank, quantized
         # one by one as they are read
         self.quantized = base_quantized(model["dit"], cfg, self.adapter, self.device)
+        if self.adapter is not None and self.amp == torch.bfloat16:
+            frozen_to_bf16(model["dit"], set(self.quantized))    # 2 bytes a frozen weight, not fp32 master copies
         self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp,
                                                        ignored=[m.weight for m in self.quantized.values()])
         dit = model["dit"]
