@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,7 @@ tr.fit()
 tr.close()
 rows = [r for r in read_metrics(sys.argv[1]) if "loss" in r]
 times = sorted(r["step_s"] for r in rows[1:]) if len(rows) > 1 else [float("nan")]
+assert len(rows) == cfg.train.steps, f"{len(rows)} steps logged, {cfg.train.steps} asked"
 print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "baseline_rss": baseline,
                   "step_s": times[len(times) // 2], "first_loss": rows[0]["loss"], "build_s": round(built, 1)}))
 """
@@ -90,6 +92,7 @@ def main() -> None:
     out = {"params": params, "base_bytes": (base / "model.safetensors").stat().st_size, "hidden": args.hidden,
            "steps": args.steps}
     for precision in ("bf16", "fp8", "nf4"):
+        shutil.rmtree(work / precision, ignore_errors=True)      # a fresh run: a checkpoint there would be resumed
         got = json.loads(_python(CHILD, str(work / precision), *common, f"train.steps={args.steps}",
                                  "adapter.kind=lora", "adapter.rank=16", "adapter.alpha=16",
                                  f"adapter.base_precision={precision}", f"model.init_from={base}",

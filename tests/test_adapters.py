@@ -85,7 +85,8 @@ def test_an_adapter_on_two_ranks_is_one_rank_and_resumes_exactly(base, base128, 
     the adapter apart (the base is model.init_from, the user's own file)."""
     if precision == "nf4":
         base = base128
-    sets = [f"adapter.kind={kind}", f"adapter.base_precision={precision}", *(WIDE if precision == "nf4" else [])]
+    sets = [f"adapter.kind={kind}", f"adapter.base_precision={precision}", *(WIDE if precision == "nf4" else []),
+            *(["adapter.export=merge"] if precision == "bf16" else [])]
     cfg = _config(tmp_path / "a.toml", base, *sets, "train.steps=8")
     two = _train(cfg, tmp_path / "two", 2)
     assert json.loads(two.stdout.strip().splitlines()[-1])["world_size"] == 2
@@ -104,6 +105,15 @@ def test_an_adapter_on_two_ranks_is_one_rank_and_resumes_exactly(base, base128, 
     info = json.loads((ckpt / "trainer.json").read_text())
     assert info["adapter"]["kind"] == kind and info["adapter_base"]["source"] == str(base / "model.safetensors")
     assert len(info["adapter_base"]["digest"]) == 64
+    if precision == "bf16":             # adapter.export = 'merge': a plain model, the targets moved, the rest the base
+        merged, plain = load_file(str(tmp_path / "two" / "export" / "model.safetensors")), \
+            load_file(str(base / "model.safetensors"))
+        assert merged.keys() == plain.keys()
+        moved = {k for k in merged if not torch.equal(merged[k], plain[k])}
+        assert moved and all(k.endswith((".qkv.weight", ".proj.weight", ".linear1.weight", ".linear2.weight",
+                                         "_mlp.0.weight", "_mlp.2.weight")) or k.startswith("text.") for k in moved)
+        assert not (tmp_path / "two" / "export" / "adapter").exists()
+        return
     zeroed = ".lora_B." if kind == "lora" else ".lokr_w1."          # the factor that starts at zero has moved
     adapter = load_file(str(tmp_path / "two" / "export" / "adapter" / "model.safetensors"))
     assert any(zeroed in k and v.abs().max() > 0 for k, v in adapter.items())
@@ -147,13 +157,13 @@ def test_a_changed_base_is_refused_on_resume(base, tmp_path):
     moved): the resume is refused naming both digests, and the checkpoint is left as it was."""
     mine = tmp_path / "base"
     shutil.copytree(base, mine)
-    cfg = _config(tmp_path / "a.toml", mine, "adapter.kind=lora", "train.steps=4")
+    cfg = _config(tmp_path / "a.toml", mine, "adapter.kind=lora", "adapter.dropout=0.1", "train.steps=4")
     _train(cfg, tmp_path / "run")
     sd = load_file(str(mine / "model.safetensors"))
     k = next(k for k in sd if k.endswith("qkv.weight"))
     sd[k] = sd[k] + 0.01
     save_file(sd, str(mine / "model.safetensors"), metadata=safe_open(str(base / "model.safetensors"), "pt").metadata())
-    more = _config(tmp_path / "b.toml", mine, "adapter.kind=lora", "train.steps=6")
+    more = _config(tmp_path / "b.toml", mine, "adapter.kind=lora", "adapter.dropout=0.1", "train.steps=6")
     proc = subprocess.run([sys.executable, "-m", "difftrain", "train", str(more), "--run-dir", str(tmp_path / "run"),
                            "--no-progress", "--allow-config-change", "train.steps"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -171,6 +181,7 @@ def test_a_changed_base_is_refused_on_resume(base, tmp_path):
     (["adapter.kind=dora"], "adapter.kind"),
     (["adapter.kind=lora", "adapter.rank=0"], "adapter.rank"),
     (["adapter.kind=lora", "adapter.dropout=1.5"], "adapter.dropout"),
+    (["adapter.kind=lora", "adapter.base_precision=nf4", "adapter.export=merge"], "adapter.export"),
 ])
 def test_each_refusal_is_one_line_naming_the_key(base, tmp_path, sets, key):
     args = [f"--set={s}" for s in RUN + ADAPTED + [f"model.init_from={base}", "train.steps=2", *sets]]

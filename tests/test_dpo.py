@@ -256,6 +256,39 @@ def test_dpo_with_lora_trains_adapters_only_and_exports_merged_or_apart(world):
     assert len(out["images"]) == 1
 
 
+def test_a_lora_dpo_checkpoint_of_the_older_layout_still_resumes_and_samples(world, monkeypatch):
+    """DPO with LoRA once checkpointed the whole model (base included) and no adapter record: such a checkpoint
+    (written here with that layout) resumes under today's code (the base read from dpo.init, the adapters from
+    the checkpoint; its reference digest checked) and samples."""
+    if not (world / "pairs" / "all.parquet").exists():
+        pytest.skip("needs the pairs of test_pairs_by_majority_with_agreement_split_by_prompt")
+    from difftrain.config import load_config
+    from difftrain.train.checkpoint import Checkpointer
+    from difftrain.train.dpo import build_dpo_trainer
+
+    monkeypatch.chdir(world)
+    lora = ["dpo.reference=lora", "dpo.lora_rank=4", "dpo.lora_alpha=8", "dpo.validation_every=0"]
+    save = Checkpointer.save
+
+    def older(self, step, model, optimizer, ema, extra, blocking=None, keep=None):
+        return save(self, step, model, optimizer, ema, {k: v for k, v in extra.items() if not k.startswith("adapter")},
+                    blocking, keep=None)
+
+    monkeypatch.setattr(Checkpointer, "save", older)
+    tr = build_dpo_trainer(load_config(_dpo_cfg(world, "old", *lora, "train.steps=2")), "old")
+    tr.fit()
+    tr.close()
+    monkeypatch.setattr(Checkpointer, "save", save)
+    info = Checkpointer.read_info(world / "old")
+    assert "adapter" not in info
+    _cli(["dpo", _dpo_cfg(world, "old4", *lora, "train.steps=4"), "--run-dir", "old", "--no-progress",
+          "--allow-config-change", "train.steps"], world)
+    assert Checkpointer.read_info(world / "old")["step"] == 4
+    out = json.loads(_cli(["sample", "old/checkpoints/step_00000002", "--prompt", "a red circle", "--num-images", "1"],
+                          world).stdout)
+    assert len(out["images"]) == 1
+
+
 def test_bad_dpo_input_is_refused_before_any_work(world, tmp_path):
     if not (world / "pairs" / "all.parquet").exists():
         pytest.skip("needs the pairs of test_pairs_by_majority_with_agreement_split_by_prompt")

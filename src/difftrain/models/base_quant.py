@@ -89,20 +89,47 @@ def dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
+CHUNK_ELEMENTS = 1 << 22      # rows dequantized together: 16 MB of fp32 (NF4's dequantization peaks at ~5x that)
+
+
+def pieces(weight: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+    """(first row, end row, quantized piece) covering ``weight`` by rows, each about ``CHUNK_ELEMENTS`` values: NF4
+    splits on whole scaler blocks (64 x 256 values), fp8 on any row."""
+    import math as _math
+
+    rows, cols = weight.shape
+    step = NF4_BLOCK * NF4_SCALER_BLOCK if hasattr(weight, "get_original_weight") else 1
+    unit = step // _math.gcd(step, cols)                 # rows whose values fill whole blocks
+    k = max(unit, CHUNK_ELEMENTS // cols // unit * unit)
+    if k >= rows:
+        return [(0, rows, weight)]
+    parts = weight.split(k) if step > 1 else [weight[a:a + k] for a in range(0, rows, k)]
+    out, at = [], 0
+    for part in parts:
+        out.append((at, at + part.shape[0], part))
+        at += part.shape[0]
+    return out
+
+
 class _FrozenQuantizedLinear(torch.autograd.Function):
     """y = x W^T + b with W quantized and frozen. Autograd through a plain ``F.linear`` would keep each layer's
     dequantized weight until the backward, in full precision: the whole base again, which is what quantizing it
     was meant to avoid. This keeps the quantized weight and dequantizes it again for the input's gradient (as
-    QLoRA's 4-bit matmul does): one layer's full-precision weight alive at a time."""
+    QLoRA's 4-bit matmul does), a few rows at a time (``pieces``): one piece's full-precision values alive at once."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.weight = weight
-        return F.linear(x, dequantized(weight, x.dtype), None if bias is None else bias.to(x.dtype))
+        y = torch.cat([F.linear(x, dequantized(w, x.dtype)) for _, _, w in pieces(weight)], dim=-1)
+        return y if bias is None else y + bias.to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out @ dequantized(ctx.weight, grad_out.dtype), None, None
+        grad = None
+        for a, b, w in pieces(ctx.weight):
+            part = grad_out[..., a:b] @ dequantized(w, grad_out.dtype)
+            grad = part if grad is None else grad.add_(part)
+        return grad, None, None
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

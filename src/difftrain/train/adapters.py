@@ -36,6 +36,10 @@ def check_adapter_config(cfg: Config, dpo: bool = False) -> AdapterSpec | None:
         raise UserError(f"adapter.base_precision = {a.base_precision!r} with adapter.kind = 'none': only a frozen "
                         "base is quantized; set adapter.kind = 'lora' or 'lokr'")
     spec = AdapterSpec.of(cfg, dpo)
+    if spec is not None and spec.export == "merge" and a.base_precision != "bf16":
+        raise UserError(f"adapter.export = 'merge' with adapter.base_precision = {a.base_precision!r}: a merged model "
+                        "would carry the quantized base's error; export the adapter ('adapter') and fold it into the "
+                        "full-precision base (sample --adapter, or difftrain export --adapter for diffusers)")
     if spec is not None and not dpo and not cfg.model.init_from:
         raise UserError(f"adapter.kind = {spec.kind!r} without model.init_from: an adapter trains on a frozen base; "
                         "set model.init_from to it (a diffusers FLUX transformer folder or a difftrain export)")
