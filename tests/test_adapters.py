@@ -324,3 +324,24 @@ def test_a_quantized_base_without_torchao_or_an_adapter_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
     with pytest.raises(UserError, match="adapter.base_precision = 'fp8' needs torchao"):
         check_base_precision("fp8", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nf4"])
+def test_a_quantized_layer_dequantized_by_pieces_is_the_whole_layer(monkeypatch, precision):
+    """Forward and input gradient of a quantized frozen layer computed a few rows at a time (as the trainer does)
+    equal those of the whole dequantized weight, for shapes whose rows split unevenly into NF4's blocks."""
+    from difftrain.models import base_quant
+    from difftrain.models.base_quant import dequantized, pieces, quantize_layer
+
+    monkeypatch.setattr(base_quant, "CHUNK_ELEMENTS", 40000)
+    for out_f, in_f in ((256, 1280), (1792, 256), (384, 128)):
+        layer = torch.nn.Linear(in_f, out_f).requires_grad_(False)
+        quantize_layer(layer, precision)
+        assert len(pieces(layer.weight)) > 1
+        x = torch.randn(5, in_f, requires_grad=True)
+        y = layer(x)
+        g = torch.randn_like(y)
+        y.backward(g)
+        w = dequantized(layer.weight, torch.float32)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, g @ w, rtol=1e-5, atol=1e-5)

@@ -100,9 +100,10 @@ def pieces(weight: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     rows, cols = weight.shape
     step = NF4_BLOCK * NF4_SCALER_BLOCK if hasattr(weight, "get_original_weight") else 1
     unit = step // _math.gcd(step, cols)                 # rows whose values fill whole blocks
-    k = max(unit, CHUNK_ELEMENTS // cols // unit * unit)
-    if k >= rows:
+    if rows * cols <= CHUNK_ELEMENTS or rows % unit:
         return [(0, rows, weight)]
+    # equal pieces (NF4's split takes no remainder): the most rows, a multiple of ``unit`` dividing ``rows``
+    k = max((d for d in range(unit, rows + 1, unit) if rows % d == 0 and d * cols <= CHUNK_ELEMENTS), default=unit)
     parts = weight.split(k) if step > 1 else [weight[a:a + k] for a in range(0, rows, k)]
     out, at = [], 0
     for part in parts:
