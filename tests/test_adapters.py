@@ -223,10 +223,12 @@ def _dit_out(pipe) -> torch.Tensor:
         return dit(x, ids, txt, torch.tensor([0.3, 0.8]), vec)
 
 
-def test_adapters_folded_at_a_strength_when_sampling(base, adapter_run):
+def test_adapters_folded_at_a_strength_when_sampling(base, adapter_run, tmp_path):
     """``--adapter`` on a base: folded into the weights, it computes what the adapter run itself computes (its
-    adapters live in peft layers); its export/adapter folder is the same adapter; scale 0 is the base; two adapters
-    add up (the same one twice at 1 = once at 2)."""
+    adapters live in peft layers); its export/adapter folder and its diffusers-format export (``export --adapter``,
+    read back into our fused layers) are the same adapter; scale 0 is the base; two adapters add up (the same one
+    twice at 1 = once at 2)."""
+    from difftrain.adapter_export import export_adapter
     from difftrain.inference import load_pipeline
 
     base_run = base.parent
@@ -239,6 +241,10 @@ def test_adapters_folded_at_a_strength_when_sampling(base, adapter_run):
     assert torch.allclose(folded, own, atol=1e-5, rtol=0)
     assert torch.allclose(_dit_out(load_pipeline(base_run, adapters=[(str(adapter_run / "export" / "adapter"), 1.0)])[0]),
                           own, atol=1e-5, rtol=0)
+    export_adapter(adapter_run, tmp_path / "diffusers")
+    pipe, _, info = load_pipeline(base_run, adapters=[(str(tmp_path / "diffusers"), 1.0)])
+    assert info["adapters"][0]["layout"] == "diffusers"
+    assert torch.allclose(_dit_out(pipe), own, atol=1e-5, rtol=0)
     assert torch.equal(_dit_out(load_pipeline(base_run, adapters=[(str(adapter_run), 0.0)])[0]), plain)
     twice = _dit_out(load_pipeline(base_run, adapters=[(str(adapter_run), 1.0)] * 2)[0])
     double = _dit_out(load_pipeline(base_run, adapters=[(str(adapter_run), 2.0)])[0])

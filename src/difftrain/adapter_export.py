@@ -199,6 +199,66 @@ def read_adapter(path: str | Path, weights: str = "ema") -> tuple[AdapterSpec, d
     return spec, factors, ident
 
 
+def diffusers_file(path: str | Path) -> Path | None:
+    """The diffusers-format adapter file ``path`` names (a ``.safetensors`` file, or a folder holding
+    ``pytorch_lora_weights.safetensors`` and no difftrain ``model.safetensors``), else None."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".safetensors":
+        return p
+    if p.is_dir() and (p / LORA_WEIGHTS).is_file() and not (p / "model.safetensors").is_file():
+        return p / LORA_WEIGHTS
+    return None
+
+
+def diffusers_updates(path: Path, double_blocks: int, single_blocks: int, hidden: int):
+    """A diffusers-format FLUX adapter file (``export --adapter``'s, or another trainer's: keys
+    ``[transformer.]<module>.lora_A.weight`` / ``lora_B.weight`` with an optional ``<module>.alpha``, or LoKr's
+    ``lokr_*``) as (our layer, first row, the update of those rows) for each piece: diffusers' split q/k/v (and a
+    single block's MLP input) land in their rows of our fused layers; the final adaLN's halves are swapped back."""
+    from safetensors.torch import load_file
+
+    try:
+        sd = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+        raise UserError(f"--adapter {path}: not a readable safetensors file ({e})") from None
+    sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v.float() for k, v in sd.items()}
+    where: dict[str, tuple[str, int, bool]] = {}           # diffusers module -> (our layer, first row, swapped)
+    for layer, pieces in _module_plan(double_blocks, single_blocks, hidden).items():
+        at = 0
+        for module, rows in pieces:
+            where[module] = (layer, at, layer == FINAL_ADALN[0])
+            at += rows or 0
+        if len(pieces) == 3:          # diffusers' fused projection, as LoKr files name it
+            fused = pieces[0][0].rsplit(".", 1)[0] + (".to_qkv" if pieces[0][0].endswith("to_q") else ".to_added_qkv")
+            where[fused] = (layer, 0, False)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in sd.items():
+        for part in ("lora_A.weight", "lora_B.weight", "alpha", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b",
+                     "lokr_w1", "lokr_w2"):
+            if key.endswith("." + part):
+                modules.setdefault(key[: -len(part) - 1], {})[part.split(".")[0]] = t
+                break
+        else:
+            raise UserError(f"--adapter {path}: unexpected key {key!r} (expected <module>.lora_A.weight / lora_B.weight "
+                            "/ alpha, or lokr_*)")
+    for module, f in sorted(modules.items()):
+        if module not in where:
+            raise UserError(f"--adapter {path}: {module!r} is not a module of this FLUX transformer (another "
+                            "architecture, or other block counts?)")
+        layer, row, swapped = where[module]
+        if "lora_A" in f and "lora_B" in f:
+            rank = f["lora_A"].shape[0]
+            scale = float(f["alpha"]) / rank if "alpha" in f else 1.0
+            d = scale * (f["lora_B"] @ f["lora_A"])
+        elif any(k.startswith("lokr_") for k in f):
+            w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
+            w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
+            d = torch.kron(w1, w2)
+        else:
+            raise UserError(f"--adapter {path}: {module!r} has an incomplete adapter ({sorted(f)})")
+        yield layer, row, (_swap_halves(d) if swapped else d)
+
+
 def fold_adapters(dit: torch.nn.Module, adapters: list[tuple[str, float]], weights: str = "ema") -> list[dict]:
     """Fold each adapter, at its scale, into the DiT's weights in place (W += scale * update; plain or sharded
     weights), so that any number of them sample at the cost of none. Every adapted layer must exist in this model
@@ -209,6 +269,14 @@ def fold_adapters(dit: torch.nn.Module, adapters: list[tuple[str, float]], weigh
     params = {base_name(k): v for k, v in dit.named_parameters()}
     applied = []
     for path, scale in adapters:
+        file = diffusers_file(path)
+        if file is not None:                 # diffusers' LoRA / LoKr format (ours from export --adapter, or another's)
+            p, n = dit.params, 0
+            for layer, row, d in diffusers_updates(file, p.double_blocks, p.single_blocks, p.hidden):
+                _add_rows(params, path, layer, row, scale * d)
+                n += 1
+            applied.append({"path": str(file.resolve()), "scale": scale, "layout": "diffusers", "modules": n})
+            continue
         spec, factors, ident = read_adapter(path, weights)
         for layer in sorted(factors):
             w = params.get(f"{layer}.weight")
@@ -249,3 +317,23 @@ def parse_adapter_args(paths: list[str] | None, scales: list[float] | None) -> l
             raise UserError(f"--adapter-scale {s}: expected a finite strength within [-{MAX_SCALE:g}, {MAX_SCALE:g}]")
     scales = scales or [1.0]
     return [(p, scales[i] if len(scales) > 1 else scales[0]) for i, p in enumerate(paths)]
+
+
+def _add_rows(params: dict, path, layer: str, row: int, d: Tensor) -> None:
+    """Add ``d`` to rows [row, row + len(d)) of ``layer``'s weight (plain or sharded), checking the shapes."""
+    from difftrain.parallel.fsdp import write_param
+
+    w = params.get(f"{layer}.weight")
+    if w is None:
+        raise UserError(f"--adapter {path}: adapts {layer!r}, which this model does not have")
+    if type(w.data) is not torch.Tensor and not hasattr(w, "full_tensor"):
+        raise UserError(f"--adapter {path}: {layer!r} of this model is quantized: adapters fold into full-precision "
+                        "weights")
+    full = w.detach().full_tensor() if hasattr(w, "full_tensor") else w.detach()
+    if d.shape[1] != full.shape[1] or row + d.shape[0] > full.shape[0]:
+        raise UserError(f"--adapter {path}: an update of {list(d.shape)} at row {row} does not fit {layer!r}'s weight "
+                        f"{list(full.shape)}")
+    new = full.float().clone()
+    new[row:row + d.shape[0]] += d.to(new.device)
+    with torch.no_grad():
+        write_param(w.detach(), new.to(full.dtype))

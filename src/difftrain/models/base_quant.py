@@ -166,3 +166,36 @@ def stored_bytes(module: nn.Module) -> int:
         else:
             total += p.numel() * p.element_size()
     return total
+
+
+M_MMAP_THRESHOLD = -3          # glibc's mallopt parameter
+MMAP_THRESHOLD = 1 << 20
+
+
+def mmap_large_allocations() -> bool:
+    """On a CPU, allocations of 1 MiB and more taken from (and returned to) the system directly (glibc ``mallopt``):
+    glibc otherwise raises its mmap threshold to 32 MB as large buffers are freed, and serves the dequantized pieces
+    of a quantized base (16 MB each, a new set every layer, forward and backward) from a heap it does not shrink.
+    False where unavailable."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return bool(ctypes.CDLL(name).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) if name else False
+    except (OSError, AttributeError):
+        return False
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's freed pages back to the system (glibc ``malloc_trim``): the full-precision weights a
+    quantized base was read through were freed layer by layer, but glibc keeps freed chunks under its mmap threshold
+    (up to 32 MB: most of a base's layers) in the heap, where they would stay resident. False where unavailable."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0)) if name else False
+    except (OSError, AttributeError):
+        return False

@@ -237,6 +237,9 @@ class Trainer(TrainerOutputs):
         # every DiT parameter is read from model.init_from (checked), the adapters' apart; with adapters the frozen
         # base is read on every start (a checkpoint holds the adapters alone)
         pretrained = bool(cfg.model.init_from) and (fresh or self.adapter is not None)
+        if self.quantized and self.device.type == "cpu":
+            from difftrain.models.base_quant import mmap_large_allocations
+            mmap_large_allocations()        # the base's read-through weights and dequantized pieces, returned
         with torch.no_grad():
             dit.init_weights(cfg.model.init, cfg.run.seed, write_param,
                              only=is_adapter if pretrained else (lambda n: base_name(n) not in self.quantized) if self.quantized
@@ -245,6 +248,9 @@ class Trainer(TrainerOutputs):
             from difftrain.parallel.pretrained import load_pretrained
             report = load_pretrained(dit, cfg.model.init_from, on_loaded=self._quantize_one)
             log.info("initialised from %s (%s)", cfg.model.init_from, report)
+            if self.quantized and self.device.type == "cpu":
+                from difftrain.models.base_quant import release_freed_memory
+                release_freed_memory()      # the full-precision weights the base was read through
         return model
 
     def _quantize_one(self, name: str) -> None:
