@@ -80,12 +80,13 @@ WIDE = ["model.hidden=128", "model.axes_dims_rope=[16, 24, 24]"]
 @pytest.mark.parametrize("kind, precision", [("lora", "bf16"), ("lokr", "fp8"), ("lora", "nf4")])
 def test_an_adapter_on_two_ranks_is_one_rank_and_resumes_exactly(base, base128, tmp_path, kind, precision):
     """8 steps on 2 FSDP2 ranks; 4 steps on 1 rank, then resumed to 8: the same losses, on a full-precision and on
-    an fp8 and an nf4 base (not sharded: whole on each rank). The checkpoints hold the adapters (and the small frozen
+    an fp8 and an nf4 base (not sharded: whole on each rank; nf4 under full activation checkpointing). The checkpoints hold the adapters (and the small frozen
     word encoder), their optimizer state and EMA, none of the base; the base's digest is recorded; the export holds
     the adapter apart (the base is model.init_from, the user's own file)."""
     if precision == "nf4":
         base = base128
-    sets = [f"adapter.kind={kind}", f"adapter.base_precision={precision}", *(WIDE if precision == "nf4" else []),
+    sets = [f"adapter.kind={kind}", f"adapter.base_precision={precision}",
+            *(WIDE + ["parallel.ac=full"] if precision == "nf4" else []),          # recomputed quantized layers too
             *(["adapter.export=merge"] if precision == "bf16" else [])]
     cfg = _config(tmp_path / "a.toml", base, *sets, "train.steps=8")
     two = _train(cfg, tmp_path / "two", 2)

@@ -453,3 +453,23 @@ def test_a_blocking_save_stages_one_piece_of_the_writers_size():
     assert STAGING_PIECE_BYTES == CHUNK
     cfg = load_config(_preset("dit-24b"), PLAIN_FSDP + ["train.async_checkpoint=false"])
     assert {s.staging_bytes for s in plan(cfg, 64, 141).strategies} == {CHUNK}
+
+
+def test_the_adapter_plan_of_flux_dev_per_base_precision():
+    """``difftrain plan`` for an adapter run: each base precision on 24/48/80 GB. FLUX.1-dev's LoRA at 1024
+    pixels: the base 22 GiB in bf16, half in fp8, about a quarter in nf4 (blocks' linears quantized, the rest
+    bf16 and sharded); with full activation checkpointing nf4 fits a 24 GB GPU and bf16 does not; over 8 GPUs
+    the bf16 base is sharded and the quantized ones are not."""
+    from difftrain.config import load_config, preset_path
+    from difftrain.parallel.adapter_plan import adapter_plan, table
+
+    cfg = load_config(preset_path("flux-dev"), ["adapter.kind=lora", "model.init_from=x", "data.edit_weight=0",
+                                                "data.keyframe_weight=0"])
+    one = adapter_plan(cfg, 1, 24)
+    p = one["precisions"]
+    assert 21 < p["bf16"]["base_gb"] < 23 and 10.5 < p["fp8"]["base_gb"] < 11.5 and 5.5 < p["nf4"]["base_gb"] < 6.5
+    assert p["nf4+ac:full"]["fits_24gb"] and not p["bf16+ac:full"]["fits_24gb"] and p["bf16+ac:full"]["fits_48gb"]
+    assert not one["fits"] and p["bf16"]["activations_gb"] > 10 * p["bf16+ac:full"]["activations_gb"]
+    eight = adapter_plan(cfg, 8, 24)["precisions"]
+    assert eight["bf16"]["base_gb"] < p["bf16"]["base_gb"] / 4 and eight["nf4"]["base_gb"] > 0.9 * p["nf4"]["base_gb"]
+    assert "nf4+ac:full" in table(one, 24)
