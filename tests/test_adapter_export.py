@@ -19,7 +19,7 @@ from difftrain.errors import UserError
 from difftrain.models.lora import AdapterSpec, adapters_disabled, apply_adapter, split_name
 
 from conftest import run_diffusers_flux, run_ours_flux
-from test_flux_parity import CONFIGS, _diffusers_model, _inputs, _ours_from, _randomise
+from test_flux_parity import CONFIGS, _diffusers_model, _inputs, _ours_from
 
 pytest.importorskip("diffusers")
 

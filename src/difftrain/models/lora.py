@@ -5,8 +5,8 @@ adapter's factors trainable); their parameter names gain ``.base_layer.`` and ``
 ``.lora_B.default.`` (LoRA) or ``.lokr_w1.default`` / ``.lokr_w2.default`` (LoKr, the factors of a Kronecker
 product; ``_a``/``_b`` halves where a factor is itself low-rank). ``base_name`` maps a name back to the plain
 model's (what checkpoints of the base model and exports hold). ``adapters_disabled`` runs the DiT as it was before
-the adapters: DPO's reference. ``delta`` gives a target layer's full update (scale included), for merging and
-exports. Initial values come from a generator seeded by (seed, parameter name), drawn at the full shape, so an
+the adapters: DPO's reference. ``delta`` gives a target layer's full update (scale included), for merging, exports
+and folding at sampling time. Initial values come from a generator seeded by (seed, parameter name), drawn at the full shape, so an
 adapted model starts the same on any world size; the factor peft zeroes (LoRA's B, LoKr's first) starts at zero,
 so the adapted model computes exactly what its base computes.
 """
@@ -14,7 +14,6 @@ so the adapted model computes exactly what its base computes.
 from __future__ import annotations
 
 import hashlib
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -115,8 +114,6 @@ def adapter_layers(module: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in module.named_modules() if isinstance(m, BaseTunerLayer)}
 
 
-lora_layers = adapter_layers
-
 
 def init_rule(name: str) -> str:
     """How an adapter parameter starts (``DiT.init_weights``' rule names): the factor peft zeroes starts at zero
@@ -137,28 +134,6 @@ def adapters_disabled(module: nn.Module):
     finally:
         for m in layers:
             m.enable_adapters(True)
-
-
-@contextmanager
-def adapter_scale(module: nn.Module, scale: float):
-    """Run ``module`` with every adapter's update multiplied by ``scale`` (peft's scale_layer), restored after."""
-    layers = list(adapter_layers(module).values())
-    for m in layers:
-        m.scale_layer(scale)
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.unscale_layer(scale)
-
-
-def zero_lora_b(dit: nn.Module, write) -> None:
-    """Set every ``lora_B`` to zero (``write(param, value)``, which handles sharded parameters): the adapted model
-    then computes exactly what the base computes."""
-    with torch.no_grad():
-        for name, p in dit.named_parameters():
-            if ".lora_B." in name:
-                write(p, torch.zeros(p.shape, dtype=p.dtype, device=p.device if p.device.type != "meta" else "cpu"))
 
 
 def delta(kind: str, factors: dict[str, Tensor], scale: float, shape: tuple[int, ...]) -> Tensor:
@@ -182,11 +157,6 @@ def split_name(name: str) -> tuple[str, str] | None:
     return None
 
 
-def merged(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
-    """A target layer's weight with its LoRA folded in: W + scale * B @ A (full tensors)."""
-    return weight.float() + scale * (lora_b.float() @ lora_a.float())
-
-
 def file_digest(paths, cache: dict | None = None) -> str:
     """The identity of a base model's files: sha256 over each file's name, size and content digest. ``cache``
     (``{path: [size, mtime_ns, sha256]}``) spares re-reading a file whose size and mtime are unchanged."""
@@ -208,9 +178,3 @@ def file_digest(paths, cache: dict | None = None) -> str:
                 cache[str(p)] = [st.st_size, st.st_mtime_ns, digest]
         h.update(f"{p.name}:{st.st_size}:{digest}\n".encode())
     return h.hexdigest()
-
-
-def kaiming_bound(shape: tuple[int, ...]) -> float:
-    """peft's kaiming_uniform_(a = sqrt 5) bound for a factor of this shape: 1 / sqrt(fan_in)."""
-    fan_in = shape[1] if len(shape) > 1 else shape[0]
-    return 1.0 / math.sqrt(max(1, fan_in))
