@@ -358,7 +358,7 @@ def fp8_encoder(smoke: bool) -> dict:
 
 
 def adapter_runs(smoke: bool) -> dict:
-    """The adapter paths only a GPU takes: a LoRA trained by ``Trainer`` (FSDP2 on one rank, bf16 autocast) on a
+    """The adapter paths only a GPU takes: a LoRA trained by ``Trainer`` (one process, bf16 autocast) on a
     base read from a difftrain export, with the base held in bf16 (no fp32 master copy: its dtype is reported), fp8
     and nf4 (torchao weight-only, dequantized on the GPU): losses finite, the step time and peak memory of each."""
     import tempfile

@@ -183,6 +183,8 @@ def test_a_changed_base_is_refused_on_resume(base, tmp_path):
     (["adapter.kind=lora", "adapter.rank=0"], "adapter.rank"),
     (["adapter.kind=lora", "adapter.dropout=1.5"], "adapter.dropout"),
     (["adapter.kind=lora", "adapter.base_precision=nf4", "adapter.export=merge"], "adapter.export"),
+    (["adapter.kind=lora", "adapter.base_precision=fp8", "train.compile=true"], "train.compile"),
+    (["adapter.kind=lora", "adapter.base_precision=nf4", "parallel.cpu_offload=true"], "cpu_offload"),
 ])
 def test_each_refusal_is_one_line_naming_the_key(base, tmp_path, sets, key):
     args = [f"--set={s}" for s in RUN + ADAPTED + [f"model.init_from={base}", "train.steps=2", *sets]]
@@ -287,6 +289,31 @@ def test_sample_eval_and_candidates_take_adapters_and_refuse_bad_ones(base, adap
                                     "--adapter-scale", "1", ok=False)
     assert "trained no adapter" in cli("sample", base_run, "--prompt", "x", "--adapter", base_run, ok=False)
     assert "--adapter" in cli("sample", base_run, "--prompt", "x", "--adapter", str(tmp_path), ok=False)
+    # hostile adapter files: each one line naming the file, never a traceback or a model of NaNs
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    assert "junk.safetensors" in cli("sample", base_run, "--prompt", "x", "--adapter", str(tmp_path / "junk.safetensors"),
+                                     ok=False)
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter_run / "export" / "adapter", bad)
+    conf = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**conf, "rank": 0}))
+    assert "rank" in cli("sample", base_run, "--prompt", "x", "--adapter", str(bad), ok=False)
+    sd = load_file(str(adapter_run / "export" / "adapter" / "model.safetensors"))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in sd.items()}, str(tmp_path / "nan.safetensors"))
+    (tmp_path / "nan").mkdir()
+    shutil.copy(tmp_path / "nan.safetensors", tmp_path / "nan" / "model.safetensors")
+    shutil.copy(adapter_run / "export" / "adapter" / "adapter_config.json", tmp_path / "nan")
+    assert "NaN" in cli("sample", base_run, "--prompt", "x", "--adapter", str(tmp_path / "nan"), ok=False)
+    lora = {f"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.full((4, 32), float("nan")),
+            f"transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 4)}
+    save_file(lora, str(tmp_path / "d_nan.safetensors"))
+    assert "finite" in cli("sample", base_run, "--prompt", "x", "--adapter", str(tmp_path / "d_nan.safetensors"),
+                           ok=False)
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 7),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 4)},
+              str(tmp_path / "d_shape.safetensors"))
+    assert "does not fit 'double_blocks.0.img_attn.qkv'" in cli(
+        "sample", base_run, "--prompt", "x", "--adapter", str(tmp_path / "d_shape.safetensors"), ok=False)
 
 
 @pytest.mark.parametrize("precision, kind", [("fp8", "Float8Tensor"), ("nf4", "NF4Tensor")])

@@ -18,6 +18,7 @@ diffusers) has its B halves swapped, as the base's weights are.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import shutil
 from pathlib import Path
@@ -166,8 +167,11 @@ def read_adapter(path: str | Path, weights: str = "ema") -> tuple[AdapterSpec, d
             conf = json.loads((p / "adapter_config.json").read_text())
             spec = AdapterSpec(conf["kind"], int(conf["rank"]), float(conf["alpha"]), tuple(conf["targets"]))
             tensors = load_file(str(p / "model.safetensors"))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 -- json, safetensors and type errors alike: the folder is unreadable
             raise UserError(f"--adapter {p}: not a readable adapter folder ({type(e).__name__}: {e})") from None
+        if spec.kind not in ("lora", "lokr") or spec.rank < 1 or not math.isfinite(spec.alpha):
+            raise UserError(f"--adapter {p}/adapter_config.json: kind {spec.kind!r}, rank {spec.rank}, alpha "
+                            f"{spec.alpha}: expected lora or lokr, a rank >= 1 and a finite alpha")
         ident = {"path": str(p.resolve()), "base": conf.get("base")}
     else:
         try:
@@ -246,17 +250,30 @@ def diffusers_updates(path: Path, double_blocks: int, single_blocks: int, hidden
             raise UserError(f"--adapter {path}: {module!r} is not a module of this FLUX transformer (another "
                             "architecture, or other block counts?)")
         layer, row, swapped = where[module]
-        if "lora_A" in f and "lora_B" in f:
-            rank = f["lora_A"].shape[0]
-            scale = float(f["alpha"]) / rank if "alpha" in f else 1.0
-            d = scale * (f["lora_B"] @ f["lora_A"])
-        elif any(k.startswith("lokr_") for k in f):
-            w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
-            w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
-            d = torch.kron(w1, w2)
-        else:
-            raise UserError(f"--adapter {path}: {module!r} has an incomplete adapter ({sorted(f)})")
+        try:
+            d = _diffusers_update(f)
+        except (RuntimeError, KeyError, IndexError, ValueError) as e:
+            raise UserError(f"--adapter {path}: {module!r} holds no usable adapter ({sorted(f)}: {type(e).__name__}: "
+                            f"{e})") from None
+        if d.dim() != 2 or not bool(torch.isfinite(d).all()):
+            raise UserError(f"--adapter {path}: {module!r}'s update is not a finite matrix")
         yield layer, row, (_swap_halves(d) if swapped else d)
+
+
+def _diffusers_update(f: dict[str, Tensor]) -> Tensor:
+    """One module's update from a diffusers-format file: LoRA B @ A at alpha / rank (1 without alpha); LoKr
+    kron(w1, w2), at alpha / rank where a factor is rank-decomposed (the LyCORIS rule; full factors take no alpha)."""
+    alpha = f.get("alpha")
+    if alpha is not None and alpha.numel() != 1:
+        raise ValueError(f"alpha of {alpha.numel()} values")
+    if "lora_A" in f or "lora_B" in f:
+        rank = f["lora_A"].shape[0]
+        return (float(alpha) / rank if alpha is not None else 1.0) * (f["lora_B"] @ f["lora_A"])
+    w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
+    w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
+    rank = f["lokr_w2_a"].shape[1] if "lokr_w2_a" in f else f["lokr_w1_a"].shape[1] if "lokr_w1_a" in f else None
+    scale = float(alpha) / rank if alpha is not None and rank else 1.0
+    return scale * torch.kron(w1, w2)
 
 
 def fold_adapters(dit: torch.nn.Module, adapters: list[tuple[str, float]], weights: str = "ema") -> list[dict]:
@@ -289,12 +306,14 @@ def fold_adapters(dit: torch.nn.Module, adapters: list[tuple[str, float]], weigh
             full = w.detach().full_tensor() if hasattr(w, "full_tensor") else w.detach()
             try:
                 d = delta(spec.kind, factors[layer], spec.scale * scale, tuple(full.shape))
-            except RuntimeError as e:
-                raise UserError(f"--adapter {path}: its factors for {layer!r} do not fit the layer's weight "
-                                f"{list(full.shape)} ({e})") from None
+            except (RuntimeError, KeyError, IndexError, ValueError) as e:
+                raise UserError(f"--adapter {path}: its factors for {layer!r} ({sorted(factors[layer])}) do not make "
+                                f"an update of the layer's weight {list(full.shape)} ({type(e).__name__}: {e})") from None
             if tuple(d.shape) != tuple(full.shape):
                 raise UserError(f"--adapter {path}: its update of {layer!r} is {list(d.shape)}, the layer's weight "
                                 f"{list(full.shape)}")
+            if not bool(torch.isfinite(d).all()):
+                raise UserError(f"--adapter {path}: its update of {layer!r} holds NaN or infinite values")
             with torch.no_grad():
                 write_param(w.detach(), (full.float() + d.to(full.device)).to(full.dtype))
         applied.append({**ident, "scale": scale, "kind": spec.kind, "rank": spec.rank, "layers": len(factors)})
@@ -330,7 +349,7 @@ def _add_rows(params: dict, path, layer: str, row: int, d: Tensor) -> None:
         raise UserError(f"--adapter {path}: {layer!r} of this model is quantized: adapters fold into full-precision "
                         "weights")
     full = w.detach().full_tensor() if hasattr(w, "full_tensor") else w.detach()
-    if d.shape[1] != full.shape[1] or row + d.shape[0] > full.shape[0]:
+    if full.dim() != 2 or d.shape[1] != full.shape[1] or row + d.shape[0] > full.shape[0]:
         raise UserError(f"--adapter {path}: an update of {list(d.shape)} at row {row} does not fit {layer!r}'s weight "
                         f"{list(full.shape)}")
     new = full.float().clone()

@@ -81,7 +81,11 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
         for unit in units:          # no backward follows: the root (embedders, head) need not stay gathered either
             unit.set_reshard_after_forward(True)
         model["dit"].to_empty(device=device)
-    if device.type == "cuda" and cfg.train.precision == "bf16":
+    quantized_base = adapted and cfg.adapter.base_precision != "bf16"
+    if quantized_base and sharded:
+        raise UserError(f"{info['path']}: trained on an {cfg.adapter.base_precision} base, which samples on one device "
+                        "(the quantized base is not sharded): launch without torchrun")
+    if device.type == "cuda" and cfg.train.precision == "bf16" and not quantized_base:
         model.to(torch.bfloat16)                 # bf16 weights on a GPU: half the memory; read in place below
     # The checkpoint's weights are read into the model's own parameters (each rank's shards, when sharded): one
     # copy of the model, not two.

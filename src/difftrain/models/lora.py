@@ -144,7 +144,10 @@ def delta(kind: str, factors: dict[str, Tensor], scale: float, shape: tuple[int,
         return scale * (f["lora_B"] @ f["lora_A"])
     w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
     w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
-    return (scale * torch.kron(w1, w2)).reshape(shape)
+    update = scale * torch.kron(w1, w2)
+    if tuple(update.shape) != tuple(shape):
+        raise ValueError(f"kron of factors {list(w1.shape)} and {list(w2.shape)} is {list(update.shape)}, not {list(shape)}")
+    return update
 
 
 def split_name(name: str) -> tuple[str, str] | None:

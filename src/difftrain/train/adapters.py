@@ -36,6 +36,14 @@ def check_adapter_config(cfg: Config, dpo: bool = False) -> AdapterSpec | None:
         raise UserError(f"adapter.base_precision = {a.base_precision!r} with adapter.kind = 'none': only a frozen "
                         "base is quantized; set adapter.kind = 'lora' or 'lokr'")
     spec = AdapterSpec.of(cfg, dpo)
+    if spec is not None and a.base_precision != "bf16":
+        if cfg.parallel.cpu_offload:
+            raise UserError(f"adapter.base_precision = {a.base_precision!r} with parallel.cpu_offload: FSDP's offload "
+                            "leaves the quantized base (not sharded) on the host; train without offload (an nf4 base "
+                            "is a quarter of a bf16 one)")
+        if cfg.train.compile:
+            raise UserError(f"adapter.base_precision = {a.base_precision!r} with train.compile: compiling the "
+                            "quantized base's layers is not supported yet; set train.compile = false")
     if spec is not None and spec.export == "merge" and a.base_precision != "bf16":
         raise UserError(f"adapter.export = 'merge' with adapter.base_precision = {a.base_precision!r}: a merged model "
                         "would carry the quantized base's error; export the adapter ('adapter') and fold it into the "
@@ -164,6 +172,18 @@ def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
 
     saved = info.get("adapter_base") or {}
     dit = model["dit"]
+    precision = cfg.adapter.base_precision
+    layers = {}
+    if precision != "bf16":                  # the base the adapters were trained on: quantized as it was, as read
+        from difftrain.models.base_quant import base_layers, quantize_layer
+        for name, p in dit.named_parameters():
+            p.requires_grad_(is_adapter(name))
+        layers = base_layers(dit, precision)
+
+    def quantize(name: str) -> None:
+        if name in layers:
+            quantize_layer(layers[name], precision)
+
     if "dpo" in info:
         from difftrain.train.dpo import reference_digest
         start = Checkpointer.read_info(info["dpo"]["init"])
@@ -171,18 +191,13 @@ def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
         check_same_base(saved, now, Path(info["path"]))
         Checkpointer.load_tensors(start["path"], info["dpo"]["weights"],
                                   {base_name(k): v.detach() for k, v in model.named_parameters() if not is_adapter(k)})
+        for name in list(layers):
+            quantize(name)
     else:
         run_dir = Path(info["path"]).parent.parent
         check_same_base(saved, base_digest(cfg, run_dir, _is_main()), Path(info["path"]))
         from difftrain.parallel.pretrained import load_pretrained
-        load_pretrained(dit, cfg.model.init_from)
-    precision = cfg.adapter.base_precision
-    if precision != "bf16":                  # the base the adapters were trained on: quantized as it was
-        from difftrain.models.base_quant import base_layers, quantize_layer
-        for name, p in dit.named_parameters():
-            p.requires_grad_(is_adapter(name))
-        for layer in base_layers(dit, precision).values():
-            quantize_layer(layer, precision)
+        load_pretrained(dit, cfg.model.init_from, on_loaded=quantize)
     rest = {k: v.detach() for k, v in model.named_parameters() if not k.startswith("dit.")}
     if rest:                                 # a trained word encoder, frozen under the adapter: the checkpoint's
         Checkpointer.load_tensors(info["path"], "model", rest)

@@ -152,8 +152,8 @@ class TrainerOutputs:
             return write_weights(base, self.cfg, out, self.env.is_main, transform=fold, dtype=dtype)
         path = write_weights({k: v for k, v in named.items() if is_adapter(k)}, self.cfg, out / "adapter",
                              self.env.is_main, dtype=dtype)
-        if not self.cfg.model.init_from:
-            path = write_weights(base, self.cfg, out, self.env.is_main, dtype=dtype)
+        if not self.cfg.model.init_from and not self.quantized:     # the base, unless the user has it (or only
+            path = write_weights(base, self.cfg, out, self.env.is_main, dtype=dtype)   # its quantized form is here)
         if self.env.is_main:
             import json
             (out / "adapter" / "adapter_config.json").write_text(json.dumps(

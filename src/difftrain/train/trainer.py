@@ -236,7 +236,8 @@ class Trainer(TrainerOutputs):
         dit.to_empty(device="cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
         # every DiT parameter is read from model.init_from (checked), the adapters' apart; with adapters the frozen
         # base is read on every start (a checkpoint holds the adapters alone)
-        pretrained = bool(cfg.model.init_from) and (fresh or self.adapter is not None)
+        # (a DPO run's weights come from dpo.init, its own loading)
+        pretrained = bool(cfg.model.init_from) and not self.dpo_run and (fresh or self.adapter is not None)
         if self.quantized and self.device.type == "cpu":
             from difftrain.models.base_quant import mmap_large_allocations
             mmap_large_allocations()        # the base's read-through weights and dequantized pieces, returned
