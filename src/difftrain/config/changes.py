@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from difftrain.config.schema import DPOConfig
+from difftrain.config.schema import AdapterConfig, DPOConfig
 
 # Keys a resumed run may change without --allow-config-change: how the job runs, not what it computes.
 ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes", "train.log_every",
@@ -26,8 +26,9 @@ def _section_defaults(section: str, cls) -> dict:
             for f in dataclasses.fields(cls)}
 
 
-# The [dpo] section came later: a checkpoint without it was trained as a run with its defaults is.
+# The [dpo] and [adapter] sections came later: a checkpoint without one was trained as a run with its defaults is.
 EARLIER_BEHAVIOUR.update(_section_defaults("dpo", DPOConfig))
+EARLIER_BEHAVIOUR.update(_section_defaults("adapter", AdapterConfig))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
