@@ -6,7 +6,7 @@ Prints one JSON object: ``params``, ``weight_bytes`` (fp32), ``baseline_rss_mb``
 ``peak_rss_mb`` (its peak), ``peak_anon_mb`` (the peak of its anonymous memory, sampled every 5 ms),
 ``peak_over_weights_1rank`` = (peak anonymous - baseline anonymous) / weight bytes (target <= 1.3: the weights
 once, plus what building and sampling need) and ``peak_rss_over_weights_1rank``, the same from the RSS peak
-(the checkpoint is read with plain reads, ``difftrain.train.reader``: no file pages are mapped, so the two
+(the checkpoint is read with plain reads, ``difftrain.parallel.reader``: no file pages are mapped, so the two
 agree), ``load_s``, ``sample_s``. Then the same under ``torchrun --nproc-per-node 2`` (gloo, the model
 sharded with FSDP2, every linear layer a unit): ``peak_over_weights_2rank`` = the larger of the two ranks'
 anonymous growth over the whole model's weight bytes (target <= 0.8: half the weights, plus a layer gathered

@@ -317,7 +317,7 @@ def test_plain_reader_reads_rows_and_names_a_truncated_file(tmp_path):
     """Checkpoints are read with plain reads (no memory map): a request's rows, the other slices applied in
     memory, every dtype the trainer writes; a file cut short names the tensor that runs past its end."""
     from safetensors.torch import save_file
-    from difftrain.train.reader import SafetensorsFile
+    from difftrain.parallel.reader import SafetensorsFile
 
     ts = {"a": torch.randn(7, 5, 3), "b": torch.randn(4).to(torch.bfloat16), "s": torch.tensor(3.5),
           "i": torch.arange(10)}
@@ -341,7 +341,7 @@ def test_loading_a_model_maps_no_file_pages(tmp_path):
     """``load_tensors`` reads into the model's own parameters without mapping the checkpoint's files: none of
     them is among the process's mappings while the load reads (it would be with safetensors' safe_open)."""
     import torch.distributed.checkpoint as dcp
-    from difftrain.train import reader
+    from difftrain.parallel import reader
 
     dcp.save({"model.w": torch.randn(64, 32), "model.b": torch.randn(32)},
              storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path / "ck")))
@@ -364,7 +364,7 @@ def test_loading_a_model_maps_no_file_pages(tmp_path):
 
 def test_plain_reader_reads_straight_into_a_matching_destination(tmp_path):
     from safetensors.torch import save_file
-    from difftrain.train.reader import SafetensorsFile
+    from difftrain.parallel.reader import SafetensorsFile
 
     a = torch.randn(6, 4)
     save_file({"a": a}, str(tmp_path / "x.safetensors"))

@@ -329,7 +329,7 @@ def _stream(ckpt: Path, prefix: str, sources: dict[str, Any], plan: _Plan, dtype
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from difftrain.train.reader import PlainReader
+    from difftrain.parallel.reader import PlainReader
 
     src_dtype = {k: sources[k].properties.dtype for k in plan.sources}
     out_dtype = {s: dtype if d.is_floating_point else d for s, d in src_dtype.items()}

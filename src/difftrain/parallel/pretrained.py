@@ -20,7 +20,7 @@ along dim 0, of *segments*: row ranges of source tensors. A rename is one segmen
 q/k/v(/mlp) projection is one segment per diffusers piece, in order; the final adaLN, whose two halves diffusers
 stores swapped, is two segments (the source's second half, then its first half) -- so its row range is mapped
 like any other, never read whole. A rank intersects its rows with the segments and reads exactly the overlaps,
-with plain reads at the rows' offsets (``train.reader.SafetensorsFile``: not a memory map, whose touched pages
+with plain reads at the rows' offsets (``parallel.reader.SafetensorsFile``: not a memory map, whose touched pages
 would stay in the process's resident memory), one file at a time, every file opened once. Headers are read with ``safe_open``. No
 pickle anywhere.
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from difftrain.errors import UserError
-from difftrain.train.reader import SafetensorsFile
+from difftrain.parallel.reader import SafetensorsFile
 from difftrain.models.dit import DiTParams, MMDiT
 from difftrain.models.flux_adapter import FINAL_ADALN, tensor_plan, params_from_diffusers_config, to_diffusers
 

@@ -53,7 +53,7 @@ from difftrain.errors import UserError
 from difftrain.parallel.dist import agree
 from difftrain.train import faults, phases
 from difftrain.train.checkpoint_write import StreamingSafetensorsWriter, _ReusedStager, save_share, tensor_bytes
-from difftrain.train.reader import PlainReader
+from difftrain.parallel.reader import PlainReader
 from difftrain.train.verification import (MARKER, file_digest, marker_files as _marker_files, read_sidecar, share_bytes,
                                           verify, verify_shares)
 
