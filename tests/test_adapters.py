@@ -186,13 +186,11 @@ def test_a_changed_base_is_refused_on_resume(base, tmp_path):
     (["adapter.kind=lora", "adapter.base_precision=fp8", "train.compile=true"], "train.compile"),
     (["adapter.kind=lora", "adapter.base_precision=nf4", "parallel.cpu_offload=true"], "cpu_offload"),
 ])
-def test_each_refusal_is_one_line_naming_the_key(base, tmp_path, sets, key):
+def test_each_refusal_is_one_line_naming_the_key(base, tmp_path, capsys, sets, key):
     args = [f"--set={s}" for s in RUN + ADAPTED + [f"model.init_from={base}", "train.steps=2", *sets]]
-    proc = subprocess.run([sys.executable, "-m", "difftrain", "train", "shapes-tiny", "--run-dir", str(tmp_path / "r"),
-                           "--no-progress", *args], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    err = [x for x in proc.stderr.splitlines() if x.startswith("error:")]       # (torchao's import notes aside)
-    assert len(err) == 1 and key in err[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert main(["train", "shapes-tiny", "--run-dir", str(tmp_path / "r"), "--no-progress", *args]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and key in err[0], err
     assert not (tmp_path / "r" / "checkpoints").exists() or not any((tmp_path / "r" / "checkpoints").iterdir())
 
 
@@ -254,19 +252,19 @@ def test_adapters_folded_at_a_strength_when_sampling(base, adapter_run, tmp_path
     assert torch.allclose(twice, double, atol=1e-5, rtol=0) and (double - folded).abs().max() > 1e-5
 
 
-def test_sample_eval_and_candidates_take_adapters_and_refuse_bad_ones(base, adapter_run, tmp_path):
+def test_sample_eval_and_candidates_take_adapters_and_refuse_bad_ones(base, adapter_run, tmp_path, capsys):
     base_run = str(base.parent)
-    run = [sys.executable, "-m", "difftrain"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def cli(*args, ok=True):
-        proc = subprocess.run(run + list(args), capture_output=True, text=True, timeout=300, env=env)
-        assert (proc.returncode == 0) == ok, proc.stderr[-2000:]
+    def cli(*args, ok=True):             # the CLI in this process: its exit code, its JSON line or its error line
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        assert (code == 0) == ok, err[-2000:]
         if not ok:
-            err = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-            assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-            return err[0]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+            lines = [x for x in err.splitlines() if x.startswith("error:")]
+            assert code == 2 and len(lines) == 1, err[-2000:]
+            return lines[0]
+        return json.loads(out.strip().splitlines()[-1])
 
     got = cli("sample", base_run, "--prompt", "a red circle", "--num-images", "1", "--steps", "2", "--out",
               str(tmp_path / "s"), "--adapter", str(adapter_run), "--adapter-scale", "0.5")
