@@ -302,8 +302,8 @@ def test_sample_eval_and_candidates_take_adapters_and_refuse_bad_ones(base, adap
     shutil.copy(tmp_path / "nan.safetensors", tmp_path / "nan" / "model.safetensors")
     shutil.copy(adapter_run / "export" / "adapter" / "adapter_config.json", tmp_path / "nan")
     assert "NaN" in cli("sample", base_run, "--prompt", "x", "--adapter", str(tmp_path / "nan"), ok=False)
-    lora = {f"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.full((4, 32), float("nan")),
-            f"transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 4)}
+    lora = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.full((4, 32), float("nan")),
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 4)}
     save_file(lora, str(tmp_path / "d_nan.safetensors"))
     assert "finite" in cli("sample", base_run, "--prompt", "x", "--adapter", str(tmp_path / "d_nan.safetensors"),
                            ok=False)
