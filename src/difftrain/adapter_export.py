@@ -281,7 +281,6 @@ def fold_adapters(dit: torch.nn.Module, adapters: list[tuple[str, float]], weigh
     weights), so that any number of them sample at the cost of none. Every adapted layer must exist in this model
     with the adapter's shapes (refused naming the layer otherwise). Returns what was applied."""
     from difftrain.models.lora import base_name, delta
-    from difftrain.parallel.fsdp import write_param
 
     params = {base_name(k): v for k, v in dit.named_parameters()}
     applied = []
@@ -300,22 +299,17 @@ def fold_adapters(dit: torch.nn.Module, adapters: list[tuple[str, float]], weigh
             if w is None:
                 raise UserError(f"--adapter {path}: adapts {layer!r}, which this model does not have (an adapter "
                                 "of another architecture?)")
-            if type(w.data) is not torch.Tensor and not hasattr(w, "full_tensor"):
-                raise UserError(f"--adapter {path}: {layer!r} of this model is quantized ({type(w.data).__name__}): "
-                                "adapters fold into full-precision weights; sample a model without a quantized base")
-            full = w.detach().full_tensor() if hasattr(w, "full_tensor") else w.detach()
             try:
-                d = delta(spec.kind, factors[layer], spec.scale * scale, tuple(full.shape))
+                d = delta(spec.kind, factors[layer], spec.scale * scale, tuple(w.shape))
             except (RuntimeError, KeyError, IndexError, ValueError) as e:
                 raise UserError(f"--adapter {path}: its factors for {layer!r} ({sorted(factors[layer])}) do not make "
-                                f"an update of the layer's weight {list(full.shape)} ({type(e).__name__}: {e})") from None
-            if tuple(d.shape) != tuple(full.shape):
+                                f"an update of the layer's weight {list(w.shape)} ({type(e).__name__}: {e})") from None
+            if tuple(d.shape) != tuple(w.shape):
                 raise UserError(f"--adapter {path}: its update of {layer!r} is {list(d.shape)}, the layer's weight "
-                                f"{list(full.shape)}")
+                                f"{list(w.shape)}")
             if not bool(torch.isfinite(d).all()):
                 raise UserError(f"--adapter {path}: its update of {layer!r} holds NaN or infinite values")
-            with torch.no_grad():
-                write_param(w.detach(), (full.float() + d.to(full.device)).to(full.dtype))
+            _add_rows(params, path, layer, 0, d)
         applied.append({**ident, "scale": scale, "kind": spec.kind, "rank": spec.rank, "layers": len(factors)})
     return applied
 
