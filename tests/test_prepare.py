@@ -42,10 +42,31 @@ def shapes_cfg(export: Path, store: Path, *extra: str):
         "data.image_size=32", "data.world_size=64", *extra])
 
 
+MASKED = 6       # t2i images given a loss mask (NAME_mask.png, left half white), and edit rows (a manifest column)
+
+
+def _left_half_mask(image: Path, to: Path) -> None:
+    from PIL import Image
+    with Image.open(image) as im:
+        w, h = im.size
+    a = np.zeros((h, w), np.uint8)
+    a[:, : w // 2] = 255
+    Image.fromarray(a, "L").save(to)
+
+
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     export_shapes(root, n=(48, 32, 24), sizes=(32, 64), frames=3)
+    # users' loss masks: beside the first folder images, and as the edit manifest's 'mask' column
+    for img in sorted((root / "t2i").rglob("*.png"))[:MASKED]:
+        _left_half_mask(img, img.with_name(img.stem + "_mask.png"))
+    man = root / "edit" / "manifest.jsonl"
+    rows = [json.loads(x) for x in man.read_text().splitlines()]
+    for r in rows[:MASKED]:
+        r["mask"] = r["target"].replace("target.png", "mask.png")
+        _left_half_mask(root / "edit" / r["target"], root / "edit" / r["mask"])
+    man.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
 
@@ -125,6 +146,55 @@ def test_tables_hold_buckets_with_divisible_sides_and_the_crop(prepared, export)
             assert np.abs(got - want).max() <= 1.0
             assert t["crop"][0].as_py() == box
     assert seen["low"] == kept and seen["high"] == kept      # every kept sample in one bucket of each stage
+
+
+def test_loss_masks_reach_the_tables_and_the_batches(prepared, export):
+    """Masks given beside folder images and in an edit manifest are stored per token of the target (left half
+    kept, right half not, on a square bucket); the loader serves them as ``keep_BL`` on the target frame only, and
+    rows without a mask keep every token."""
+    from difftrain.data.store.loader import keep_mask
+
+    cfg, _ = prepared
+    store = cfg.data.store
+    rec = {r["sample_id"]: r for r in read_record(f"{store}/curation.parquet").to_pylist()}
+    masked = {i for i, r in rec.items() if r["mask"]}
+    assert len(masked) == 2 * MASKED and all(rec[i]["mask"].endswith("mask.png") for i in masked)
+    assert not any(k.endswith("_mask") for k in (r["key"] for r in rec.values()))     # no mask became an image
+    checked = {"t2i": 0, "edit": 0}
+    for name, info in st.read_manifest(store)["tables"].items():
+        stage, bucket, task = name.split("/")
+        assert info.get("keep") is True
+        h, w = (int(v) for v in bucket.split("x"))
+        t = lance.dataset(st.table_uri(store, name)).to_table(columns=["sample_id", "keep"])
+        for sid, k in zip(t["sample_id"].to_pylist(), t["keep"].to_pylist()):
+            assert bool(k) == (sid in masked), (name, sid)
+            F = st.task_frames(task, 3)
+            L = (h // 16) * (w // 16)
+            got = keep_mask([k], F, L)
+            if not k:
+                assert got is None
+                continue
+            grid = got[0, :L].reshape(h // 16, w // 16)
+            assert got[0, L:].all()                       # an edit's reference frame: no loss there anyway
+            if h == w:                                    # the crop is the whole image: left half kept
+                assert grid[:, : w // 32].all() and not grid[:, w // 32:].any(), (name, grid)
+            checked[task] += 1
+    assert checked["t2i"] >= MASKED and checked["edit"] >= MASKED
+    # the loader's batches carry them: a masked sample's row in the batch is its stored mask
+    from difftrain.data.store.loader import StoreLoader
+    loader = StoreLoader(cfg)
+    served = 0
+    for _ in range(12):
+        for b in next(loader):
+            for j, sid in enumerate(b.sample_ids):
+                if sid in masked:
+                    assert b.keep_BL is not None and not b.keep_BL[j].all() and b.keep_BL[j].any()
+                    assert b.counted_BL[j].sum() < b.loss_mask_BL[j].sum()
+                    served += 1
+                elif b.keep_BL is not None:
+                    assert b.keep_BL[j].all()
+    loader.close()
+    assert served
 
 
 def test_killed_prepare_resumes_to_the_same_content(ray_local, export, tmp_path, prepared):

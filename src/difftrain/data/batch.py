@@ -39,12 +39,21 @@ class Batch:
     # trainer sums them over ranks for the run's read-error budget (``StoreLoader.account_reads``)
     rows_asked: int = 0
     rows_unreadable: int = 0
+    # the user's loss mask: False on target tokens that are noised and predicted but neither count in the loss nor
+    # in its token count (``counted``); None = every target token counts
+    keep_BL: Tensor | None = None
+
+    @property
+    def counted_BL(self) -> Tensor:
+        """Tokens the loss is taken on: targets the loss mask keeps."""
+        return self.loss_mask_BL if self.keep_BL is None else self.loss_mask_BL & self.keep_BL
 
     def _map(self, fn) -> "Batch":
         text = None if self.text is None else TextEmbedding(fn(self.text.txt_BTD), fn(self.text.pooled_BP),
                                                             fn(self.text.mask_BT))
         return replace(self, x0_BLC=fn(self.x0_BLC), ids_BL3=fn(self.ids_BL3), loss_mask_BL=fn(self.loss_mask_BL),
-                       tokens={k: fn(v) for k, v in self.tokens.items()}, text=text)
+                       tokens={k: fn(v) for k, v in self.tokens.items()}, text=text,
+                       keep_BL=None if self.keep_BL is None else fn(self.keep_BL))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -62,7 +71,8 @@ class Batch:
                                                             self.text.mask_BT[sl])
         return replace(self, x0_BLC=self.x0_BLC[sl], ids_BL3=self.ids_BL3[sl], loss_mask_BL=self.loss_mask_BL[sl],
                        tokens={k: v[sl] for k, v in self.tokens.items()}, prompts=self.prompts[sl],
-                       meta=self.meta[sl], sample_ids=self.sample_ids[sl], repeats=self.repeats[sl], text=text)
+                       meta=self.meta[sl], sample_ids=self.sample_ids[sl], repeats=self.repeats[sl], text=text,
+                       keep_BL=None if self.keep_BL is None else self.keep_BL[sl])
 
 
 def assemble(latents_BFCHW: Tensor, indices: list[int], target_BF: Tensor, tokens: dict[str, Tensor],

@@ -112,7 +112,8 @@ class Objective(Protocol):
 class FlowMatching:
     """Rectified flow: x_t = (1 - t) x0 + t eps, the model's output read as a velocity (``diffusion.prediction``),
     the (optionally t-weighted) squared error against v = eps - x0 summed over target tokens, divided by
-    the step's global target-token count."""
+    the step's global target-token count. With a loss mask (``Batch.keep_BL``) every target token is noised and
+    predicted, but only the tokens it keeps count, in the sum and in the count."""
 
     name = "flow"
     batch_kind = "samples"
@@ -121,7 +122,7 @@ class FlowMatching:
         self.spec = spec
 
     def count(self, batch: Batch) -> float:
-        return float(batch.loss_mask_BL.sum())
+        return float(batch.counted_BL.sum())      # target tokens the user's loss mask keeps
 
     def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float | Tensor) -> MicroLoss:
         b = model.on_device(batch)
@@ -131,7 +132,7 @@ class FlowMatching:
         xt = noisy_input(b.x0_BLC, eps, t, b.loss_mask_BL)
         emb = model.embed_text(b)
         out, xt = model(b, xt, t, emb)
-        x0, eps, mask = model.local(b.x0_BLC), model.local(eps), model.local(b.loss_mask_BL, False)
+        x0, eps, mask = model.local(b.x0_BLC), model.local(eps), model.local(b.counted_BL, False)
         v = to_velocity(out.float(), xt, t, self.spec.prediction)
         loss = flow_loss(v, x0, eps, mask, loss_weight(t, self.spec.loss), normalizer=normalizer)
         return MicroLoss(loss, *model.cost(batch))
@@ -165,7 +166,7 @@ class DiffusionDPO:
         emb = model.embed_text(b)
         out, _ = model(b, xt, t, emb)
         v = to_velocity(out.float(), xt, t, self.spec.prediction)
-        e = per_sample_error(v, b.x0_BLC, eps, b.loss_mask_BL)
+        e = per_sample_error(v, b.x0_BLC, eps, b.counted_BL)
         w = loss_weight(t, self.spec.loss)
         return e if w is None else e * w
 

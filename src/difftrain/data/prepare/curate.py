@@ -336,7 +336,7 @@ def reason_counts(outcomes: Iterable[tuple[bool, str]]) -> dict[str, int]:
 # --------------------------------------------------------------------------- record
 
 _FIXED_COLUMNS = ("sample_id", "source", "key", "task", "refs", "caption", "caption_error", "width", "height",
-                  "sha256", "phash", "error", "outcome", "reason")
+                  "mask", "sha256", "phash", "error", "outcome", "reason")
 
 
 def score_column(name: str) -> str:

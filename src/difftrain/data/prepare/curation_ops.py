@@ -39,7 +39,7 @@ def _listing_schema():
     import pyarrow as pa
     return pa.schema([("sample_id", pa.int64()), ("source", pa.string()), ("key", pa.string()),
                       ("task", pa.string()), ("refs", pa.list_(pa.string())), ("caption", pa.string()),
-                      ("caption_error", pa.string()), ("scores", pa.string())])
+                      ("caption_error", pa.string()), ("scores", pa.string()), ("mask", pa.string())])
 
 
 def _list_source(spec: dict) -> Iterator[Any]:
@@ -53,7 +53,7 @@ def _list_source(spec: dict) -> Iterator[Any]:
     for s in iter_source(spec):
         for name, value in (("sample_id", s.sample_id), ("source", s.source), ("key", s.key), ("task", s.task),
                             ("refs", list(s.refs)), ("caption", s.caption), ("caption_error", s.caption_error),
-                            ("scores", json.dumps(s.scores))):
+                            ("scores", json.dumps(s.scores)), ("mask", s.mask)):
             cols[name].append(value)
         if len(cols["sample_id"]) >= LIST_BLOCK_ROWS:
             yield pa.table(cols, schema=schema)
@@ -87,7 +87,7 @@ def local_path(path: str) -> str:
 def check_sources(cfg) -> list[dict]:
     """``[[data.sources]]`` checked on the driver (names, kinds, paths given), with local paths made absolute;
     the listing happens in Ray tasks."""
-    from difftrain.data.prepare.ingest import _check_spec
+    from difftrain.data.prepare.ingest import _check_spec, mask_mode
 
     if not cfg.data.sources:
         raise UserError("data.sources is empty: add [[data.sources]] tables {name, kind, path} to the config")
@@ -95,6 +95,7 @@ def check_sources(cfg) -> list[dict]:
     specs = []
     for spec in cfg.data.sources:
         _, _, path, _ = _check_spec(spec)
+        mask_mode(spec)
         specs.append(dict(spec, path=local_path(path) if isinstance(path, str) else [local_path(p) for p in path]))
     if len(set(names)) != len(names):
         raise UserError(f"data.sources: names must be unique, got {names}")

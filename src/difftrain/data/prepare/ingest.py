@@ -29,6 +29,10 @@ Layouts, by kind:
 * ``keyframes``  -- ``<clip>/frame_000.png``, ``frame_001.png``, ... + ``<clip>/caption.txt``.
 
 Both folder layouts (edit, keyframes) also read an optional ``<key>/scores.json`` of numeric scores.
+
+Loss masks (``mask``, see ``mask_mode``): white (>= 128) where the loss is taken, black where it is not, the size
+of the image it masks; ``NAME_mask.png`` beside a folder image, ``<key>/mask.png`` in an edit folder (the
+target's mask), a manifest's ``mask`` column, or with ``mask = "alpha"`` the target image's alpha channel.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import hashlib
 import json
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator
 
 import fsspec
@@ -57,9 +61,12 @@ KIND_TASKS: dict[str, tuple[str, ...]] = {
     "keyframes": ("keyframes",),
 }
 # Manifest columns that are not scores, whatever their type.
-_RESERVED_COLUMNS = frozenset({"id", "image", "caption", "source", "target", "instruction", "frames", "key"})
+_RESERVED_COLUMNS = frozenset({"id", "image", "caption", "source", "target", "instruction", "frames", "key", "mask"})
 _FRAME_RE = re.compile(r"frame_(\d+)$")
 _MASK63 = (1 << 63) - 1
+ALPHA = "@alpha"       # RawSample.mask: the target image's own alpha channel
+MASK_MODES: tuple[str, ...] = ("auto", "alpha", "none")
+MASK_SUFFIX = "_mask"  # folder kind: NAME_mask.png beside NAME.png is NAME's loss mask, never an image of its own
 
 
 
@@ -73,6 +80,7 @@ class RawSample:
     caption: str | None
     caption_error: str = ""
     scores: dict[str, float] = field(default_factory=dict)
+    mask: str = ""        # the loss mask of the (target) image: a ref, ALPHA (its alpha channel) or "" (none)
 
     @property
     def sample_id(self) -> int:
@@ -172,6 +180,19 @@ def _check_spec(spec: Any) -> tuple[str, str, Any, str]:
     return name, kind, path, task
 
 
+def mask_mode(spec: dict) -> str:
+    """A source's ``mask``: "auto" (default: a mask file where one is given -- ``NAME_mask.png`` beside a folder
+    image, ``<key>/mask.png`` in an edit folder, a manifest's ``mask`` column), "alpha" (the target image's alpha
+    channel) or "none". Masks are for the images a loss is taken on: text-to-image and edit targets."""
+    name, _, _, task = _check_spec(spec)
+    mode = spec.get("mask", "auto")
+    if mode not in MASK_MODES:
+        raise _spec_error(name, "mask", f"unknown mask {mode!r}; expected one of {', '.join(MASK_MODES)}")
+    if mode == "alpha" and task == "keyframes":
+        raise _spec_error(name, "mask", "a keyframes source takes no mask (expected 'auto' or 'none')")
+    return mode
+
+
 def _expand(name: str, path: str, what: str) -> tuple[Any, list[str], str]:
     """(fs, matched paths, root the keys are relative to); UserError if nothing matches."""
     fs, stripped = fsspec.core.url_to_fs(path)
@@ -226,11 +247,19 @@ def _cat(fs: Any, path: str) -> tuple[bytes | None, str]:
 # --------------------------------------------------------------------------- kinds
 
 
-def _iter_folder(name: str, path: str, task: str) -> Iterator[RawSample]:
+def _mask_of(mode: str, found: str | None) -> str:
+    return ALPHA if mode == "alpha" else (found or "") if mode == "auto" else ""
+
+
+def _iter_folder(name: str, path: str, task: str, mode: str = "auto") -> Iterator[RawSample]:
     fs, matched, root = _expand(name, path, f"a folder of images ({', '.join(IMAGE_EXTS)})")
     files = _files_under(fs, matched)
     present = set(files)
     images = [p for p in files if _split_ext(p)[1] in IMAGE_EXTS and not _hidden(_rel(p, root))]
+    bases = {_split_ext(p)[0] for p in images}
+    masks = {_split_ext(p)[0][:-len(MASK_SUFFIX)]: p for p in images
+             if _split_ext(p)[0].endswith(MASK_SUFFIX) and _split_ext(p)[0][:-len(MASK_SUFFIX)] in bases}
+    images = [p for p in images if p not in set(masks.values())]
     if not images:
         raise _spec_error(name, "path", f"no images ({', '.join(IMAGE_EXTS)}) under {path!r}")
     stems: dict[str, int] = {}
@@ -245,7 +274,8 @@ def _iter_folder(name: str, path: str, task: str) -> Iterator[RawSample]:
         txt, txt_err = _cat(fs, base + ".txt") if base + ".txt" in present else (None, "")
         js, js_err = _cat(fs, base + ".json") if base + ".json" in present else (None, "")
         caption, err, scores = _caption_from_sidecars(txt, js, txt_err, js_err)
-        yield RawSample(name, key, task, [_to_ref(fs, p)], caption, err, scores)
+        found = _to_ref(fs, masks[base]) if base in masks else None
+        yield RawSample(name, key, task, [_to_ref(fs, p)], caption, err, scores, _mask_of(mode, found))
 
 
 def _dir_groups(name: str, path: str, what: str) -> tuple[Any, str, dict[str, dict[str, str]]]:
@@ -281,7 +311,7 @@ def _folder_scores(fs: Any, files: dict[str, str]) -> dict[str, float]:
     return _numeric_scores(obj) if isinstance(obj, dict) else {}
 
 
-def _iter_edit_folder(name: str, path: str, task: str) -> Iterator[RawSample]:
+def _iter_edit_folder(name: str, path: str, task: str, mode: str = "auto") -> Iterator[RawSample]:
     fs, root, groups = _dir_groups(name, path, "a folder of <key>/source.png, target.png, instruction.txt")
     keys = [k for k, files in groups.items()
             if _image_named(files, "source") or _image_named(files, "target") or "instruction.txt" in files]
@@ -298,7 +328,9 @@ def _iter_edit_folder(name: str, path: str, task: str) -> Iterator[RawSample]:
             caption, err = _decode_text(data) if data is not None else (None, read_err or "missing sidecar")
         else:
             caption, err = None, "missing sidecar"
-        yield RawSample(name, key, task, [_to_ref(fs, r) for r in refs], caption, err, _folder_scores(fs, files))
+        found = _image_named(files, "mask")
+        yield RawSample(name, key, task, [_to_ref(fs, r) for r in refs], caption, err, _folder_scores(fs, files),
+                        _mask_of(mode, _to_ref(fs, found) if found else None))
 
 
 def _frame_number(fname: str) -> int | None:
@@ -394,7 +426,7 @@ _TASK_COLUMNS = {"t2i": ("image",), "edit": ("source", "target"), "keyframes": (
 _CAPTION_COLUMN = {"t2i": "caption", "edit": "instruction", "keyframes": "caption"}
 
 
-def _iter_manifest(name: str, path: str | list[str], task: str) -> Iterator[RawSample]:
+def _iter_manifest(name: str, path: str | list[str], task: str, mode: str = "auto") -> Iterator[RawSample]:
     files = _manifest_files(name, path)
     cap_col = _CAPTION_COLUMN[task]
     for fs, mpath in files:
@@ -425,7 +457,8 @@ def _iter_manifest(name: str, path: str | list[str], task: str) -> Iterator[RawS
                 scores = {c: float(rec[c]) for c in numeric - _RESERVED_COLUMNS if rec.get(c) is not None}
             else:
                 scores = _numeric_scores(rec, skip=_RESERVED_COLUMNS)
-            yield RawSample(name, key, task, refs, caption, err, scores)
+            found = _resolve(rec["mask"], fs, mpath) if task != "keyframes" and rec.get("mask") else None
+            yield RawSample(name, key, task, refs, caption, err, scores, _mask_of(mode, found))
 
 
 # webdataset ----------------------------------------------------------------
@@ -450,17 +483,20 @@ def iter_source(spec: dict, errors: list[str] | None = None) -> Iterator[RawSamp
     ``ShardError`` naming the shard is raised once every readable sample has been yielded.
     """
     name, kind, path, task = _check_spec(spec)
+    mode = mask_mode(spec)
     if kind == "folder":
-        gen = _iter_folder(name, path, task)
+        gen = _iter_folder(name, path, task, mode)
     elif kind == "manifest":
-        gen = _iter_manifest(name, path, task)
+        gen = _iter_manifest(name, path, task, mode)
     elif kind == "webdataset":
         from difftrain.data.prepare.webdataset import _iter_webdataset, _shards
 
         _shards(name, path)  # validate now; the generator lists them again lazily
         gen = _iter_webdataset(name, path, task, errors)
+        if mode == "alpha":
+            gen = (replace(s, mask=ALPHA) for s in gen)
     elif kind == "edit":
-        gen = _iter_edit_folder(name, path, task)
+        gen = _iter_edit_folder(name, path, task, mode)
     else:
         gen = _iter_keyframes_folder(name, path, task)
     if kind in ("folder", "edit", "keyframes"):

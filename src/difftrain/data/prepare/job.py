@@ -72,21 +72,61 @@ def start_ray(address: str | None = None, num_cpus: int | None = None):
 
 # --------------------------------------------------------------------------- per-sample work (Ray tasks)
 
+def _cover_box(W0: int, H0: int, h: int, w: int, crop: str, seed: int) -> tuple[int, int, int, int]:
+    """(resized width, resized height, top, left): the resize that covers h x w and the crop box's corner (centre,
+    or at a position drawn from the sample's id)."""
+    s = max(h / H0, w / W0)
+    rw, rh = max(w, round(W0 * s)), max(h, round(H0 * s))
+    if crop == "random":
+        rng = np.random.default_rng([seed & 0x7FFFFFFFFFFFFFFF, 7])
+        return rw, rh, int(rng.integers(0, rh - h + 1)), int(rng.integers(0, rw - w + 1))
+    return rw, rh, (rh - h) // 2, (rw - w) // 2
+
+
 def resize_cover_crop(img, h: int, w: int, crop: str, seed: int) -> tuple[np.ndarray, list[int]]:
     """Resize (Lanczos) so the image covers h x w, then crop h x w (centre, or at a position drawn from the
     sample's id). Returns (H x W x 3 uint8, [top, left, h, w] of the crop in the resized image)."""
     from PIL import Image
 
-    W0, H0 = img.size
-    s = max(h / H0, w / W0)
-    rw, rh = max(w, round(W0 * s)), max(h, round(H0 * s))
+    rw, rh, top, left = _cover_box(*img.size, h, w, crop, seed)
     img = img.convert("RGB").resize((rw, rh), Image.Resampling.LANCZOS)
-    if crop == "random":
-        rng = np.random.default_rng([seed & 0x7FFFFFFFFFFFFFFF, 7])
-        top, left = int(rng.integers(0, rh - h + 1)), int(rng.integers(0, rw - w + 1))
-    else:
-        top, left = (rh - h) // 2, (rw - w) // 2
     return np.asarray(img.crop((left, top, left + w, top + h)), dtype=np.uint8), [top, left, h, w]
+
+
+def token_keep(mask, size: tuple[int, int], h: int, w: int, patch: int, crop: str, seed: int) -> np.ndarray:
+    """A loss mask (a PIL image, white where the loss is taken) as one flag per token of the h x w crop, in token
+    order (row-major over the (h / patch) x (w / patch) grid): resized and cropped as its image is (bilinear), a
+    pixel counts where it is >= 128, and a token where at least half of its patch x patch pixels count. ``size`` is
+    the image's (width, height): a mask of another size is refused."""
+    from PIL import Image
+
+    if mask.size != size:
+        raise ValueError(f"mask is {mask.size[0]}x{mask.size[1]}, its image {size[0]}x{size[1]}")
+    rw, rh, top, left = _cover_box(*size, h, w, crop, seed)
+    m = mask.convert("L").resize((rw, rh), Image.Resampling.BILINEAR).crop((left, top, left + w, top + h))
+    on = np.asarray(m, dtype=np.uint8) >= 128
+    share = on.reshape(h // patch, patch, w // patch, patch).mean(axis=(1, 3))
+    keep = (share >= 0.5).reshape(-1)
+    if not keep.any():
+        raise ValueError(f"mask keeps no token of the {h}x{w} crop (a token needs half its pixels white)")
+    return keep
+
+
+def _mask_of(img, ref: str, read_ref):
+    """The loss mask of a target image: its alpha channel (``ingest.ALPHA``) or the mask file ``ref``."""
+    import io
+
+    from PIL import Image
+
+    from difftrain.data.prepare.ingest import ALPHA
+
+    if ref == ALPHA:
+        if img.mode not in ("RGBA", "LA", "PA") and "transparency" not in img.info:
+            raise ValueError(f"mask = 'alpha' but the image ({img.mode}) has no alpha channel")
+        return img.convert("RGBA").getchannel("A")
+    with Image.open(io.BytesIO(read_ref(ref))) as m:
+        m.load()
+        return m.copy()
 
 
 def _decode_batch(batch: dict) -> dict:
@@ -100,20 +140,30 @@ def _decode_batch(batch: dict) -> dict:
     out: dict[str, list] = defaultdict(list)
     for i in range(len(batch["sample_id"])):
         h, w = int(batch["h"][i]), int(batch["w"][i])
-        frames, box, orig, err = [], [0, 0, h, w], (0, 0), ""
+        frames, box, orig, err, keep = [], [0, 0, h, w], (0, 0), "", b""
+        mask_ref = str(batch["mask"][i]) if "mask" in batch else ""
+        crop, sid = str(batch["crop"][i]), int(batch["sample_id"][i])
         try:
-            for ref in batch["refs"][i]:
+            for f, ref in enumerate(batch["refs"][i]):
                 with Image.open(io.BytesIO(read_ref(ref))) as img:
                     img.load()
                     if not orig[0]:
                         orig = (img.size[1], img.size[0])
-                    arr, box = resize_cover_crop(img, h, w, str(batch["crop"][i]), int(batch["sample_id"][i]))
+                    arr, box = resize_cover_crop(img, h, w, crop, sid)
+                    if f == 0 and mask_ref:      # the target (an edit's is first) carries the loss mask
+                        try:
+                            m = _mask_of(img, mask_ref, read_ref)
+                            keep = np.packbits(token_keep(m, img.size, h, w, int(batch["patch"][i]), crop,
+                                                          sid)).tobytes()
+                        except Exception as e:  # noqa: BLE001
+                            raise ValueError(f"loss mask {mask_ref}: {e}") from None
                 frames.append(arr)
         except Exception as e:  # noqa: BLE001 - a per-sample fault: counted, never fatal here
             err = f"{type(e).__name__}: {e}"
         for k in ("sample_id", "table", "source", "key", "caption", "scores", "h", "w", "latent_dtype"):
             out[k].append(batch[k][i])
         out["pixels"].append(np.stack(frames).tobytes() if not err else b"")
+        out["keep"].append(keep if not err else b"")
         out["frames"].append(len(frames))
         out["orig"].append(list(orig))
         out["crop_box"].append(box)
@@ -170,7 +220,7 @@ class _Encode:
                         txt_len[i] = t
                         pooled[i] = st.to_bits(emb.pooled_BP[j].float().cpu(), dtype).tobytes()
         out = {k: batch[k] for k in ("sample_id", "table", "source", "key", "caption", "scores", "orig",
-                                     "crop_box", "error", "latent_dtype")}
+                                     "crop_box", "error", "latent_dtype", "keep")}
         out.update(latents=latents, txt=txt, txt_len=txt_len, pooled=pooled, pid=[os.getpid()] * n)
         return out
 
@@ -186,6 +236,10 @@ def _write_batch(batch: dict, store: str, tables: dict) -> dict:
     for i in range(len(batch["sample_id"])):
         if batch["error"][i]:
             errors[str(batch["table"][i])].append(f"{batch['source'][i]}/{batch['key'][i]}: {batch['error'][i]}")
+        elif len(batch["keep"][i]) and not tables[str(batch["table"][i])].get("keep"):
+            errors[str(batch["table"][i])].append(
+                f"{batch['source'][i]}/{batch['key'][i]}: has a loss mask, but table {batch['table'][i]} was written "
+                "before loss masks existed; re-run 'difftrain prepare --overwrite' to rewrite it with them")
         else:
             by_table[str(batch["table"][i])].append(i)
     for name in sorted(set(by_table) | set(errors)):
@@ -207,13 +261,15 @@ def _write_batch(batch: dict, store: str, tables: dict) -> dict:
                 "scores": pa.array([str(batch["scores"][i]) for i in rows]),
                 "latents": pa.array([batch["latents"][i] for i in rows], pa.large_binary()),
             }
+            if info.get("keep"):
+                cols["keep"] = pa.array([bytes(batch["keep"][i]) for i in rows], pa.binary())
             if info["text_embeddings"]:
                 cols["txt"] = pa.array([np.frombuffer(batch["txt"][i], bits) for i in rows],
                                        pa.large_list(pa.from_numpy_dtype(bits)))
                 cols["txt_len"] = pa.array([int(batch["txt_len"][i]) for i in rows], pa.int32())
                 cols["pooled"] = pa.array([np.frombuffer(batch["pooled"][i], bits) for i in rows],
                                           pa.list_(pa.from_numpy_dtype(bits)))
-            schema = st.schema(n_val, dtype, info["text_embeddings"])
+            schema = st.schema(n_val, dtype, info["text_embeddings"], bool(info.get("keep")))
             table = pa.table(cols, schema=schema)
             frags = [json.dumps(f.to_json()) for f in write_fragments(table, st.table_uri(store, name), schema=schema)]
         out["table"].append(name)
@@ -339,6 +395,9 @@ def _encode(cfg, store: str, stages, curated, words: set[str], summary: dict, ac
         raise UserError(f"data.store = {store!r} holds tables built with other settings; nothing was changed. "
                         "Use another store, or --overwrite to write new versions (Lance keeps the old ones):\n  "
                         + "\n  ".join(refused))
+    for name in per_table:      # a table written before the loss-mask column existed gets appended without it
+        old = manifest["tables"].get(name)
+        infos[name].keep = overwrite or old is None or bool(old.get("keep"))
     tables = {name: infos[name].to_json() for name in per_table}
     fresh = set(tables) if overwrite else set()     # their first commit is a Lance Overwrite (a new version)
     manifest["vocabulary"] = sorted(set(manifest.get("vocabulary", [])) | words)
@@ -375,7 +434,8 @@ def _encode(cfg, store: str, stages, curated, words: set[str], summary: dict, ac
             if pending[name]:
                 info = tables[name]
                 _commit(store, name, pending[name], st.schema(int(np.prod(info["latent_shape"])),
-                                                             cfg.data.latent_dtype, info["text_embeddings"]),
+                                                             cfg.data.latent_dtype, info["text_embeddings"],
+                                                             bool(info.get("keep"))),
                         replace=name in fresh)
                 fresh.discard(name)
                 pending[name], pending_rows[name] = [], 0

@@ -18,7 +18,7 @@ import numpy as np
 from difftrain.data.store import tables as st
 from difftrain.errors import UserError
 
-PLAN_COLUMNS = ["sample_id", "source", "key", "task", "refs", "caption", "scores", "width", "height", "reason"]
+PLAN_COLUMNS = ["sample_id", "source", "key", "task", "refs", "caption", "scores", "width", "height", "reason", "mask"]
 
 
 def encoder_plan(data, cpus: float, gpus: float) -> dict[str, Any]:
@@ -72,7 +72,8 @@ def table_rows(t, stages: list, frames: int, latent_dtype: str, store: str, vers
     from difftrain.data.curriculum import assign_bucket
 
     out: dict[str, list] = {k: [] for k in ("sample_id", "table", "source", "key", "caption", "scores", "refs",
-                                            "h", "w", "crop", "latent_dtype")}
+                                            "mask", "h", "w", "patch", "crop",
+                                            "latent_dtype")}
     for r in t.to_pylist():
         if r["reason"]:
             continue
@@ -89,7 +90,9 @@ def table_rows(t, stages: list, frames: int, latent_dtype: str, store: str, vers
             out["scores"].append(r["scores"])
             # the store keeps an edit's target first, its reference second (RoPE index 0, 1)
             out["refs"].append(refs[::-1] if r["task"] == "edit" else refs)
+            out["mask"].append(r.get("mask") or "")
             out["h"].append(b.h)
+            out["patch"].append(b.patch)
             out["w"].append(b.w)
             out["crop"].append(stage.crop)
             out["latent_dtype"].append(latent_dtype)
@@ -102,6 +105,7 @@ def table_rows(t, stages: list, frames: int, latent_dtype: str, store: str, vers
     cols: dict[str, Any] = dict(out, sample_id=pa.array(ids, pa.int64()), exists=pa.array(exists))
     cols["refs"] = pa.array(out["refs"], pa.list_(pa.string()))
     cols["h"] = pa.array(out["h"], pa.int32())
+    cols["patch"] = pa.array(out["patch"], pa.int32())
     cols["w"] = pa.array(out["w"], pa.int32())
     return pa.table(cols)
 

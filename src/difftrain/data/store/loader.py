@@ -61,6 +61,20 @@ from difftrain.models.text import TextEmbedding, pad_tokens, text_length
 
 log = logging.getLogger("difftrain")
 
+def keep_mask(keeps: list[bytes], frames: int, L: int) -> torch.Tensor | None:
+    """The batch's loss mask (B, frames * L) from the rows' packed bits of their first (target) frame's L tokens;
+    None when no row has one. Trailing zero bytes a transport dropped read as masked tokens, as they were."""
+    if not any(keeps):
+        return None
+    out = torch.ones(len(keeps), frames * L, dtype=torch.bool)
+    n = (L + 7) // 8
+    for b, k in enumerate(keeps):
+        if k:
+            raw = np.frombuffer(bytes(k)[:n].ljust(n, b"\0"), dtype=np.uint8)
+            out[b, :L] = torch.from_numpy(np.unpackbits(raw, count=L).astype(bool))
+    return out
+
+
 class StoreLoader:
     """Yields, per optimizer step, this data rank's micro-batches of the step's global batch."""
 
@@ -206,7 +220,8 @@ class StoreLoader:
         return self.tables[name]
 
     def _columns(self, table: Table) -> list[str]:
-        return ["sample_id", "caption"] + (["txt", "txt_len", "pooled"] if table.info.text_embeddings else [])
+        return (["sample_id", "caption"] + (["txt", "txt_len", "pooled"] if table.info.text_embeddings else [])
+                + (["keep"] if table.info.keep else []))
 
     def _take(self, table: Table, ds, rows_idx: list[int], buf: np.ndarray, slots: list[int], ids: list[int]):
         """Index columns of ``rows_idx`` by ``take``; their latents by ``take_blobs`` into ``buf[slots]``."""
@@ -264,6 +279,9 @@ class StoreLoader:
             self.served["bytes_from_store"] += (n - from_local) * buf.itemsize * values
         captions = t["caption"].to_pylist()
         rows = {int(got[i]): {"latents": buf[i], "caption": captions[i], "_buf": buf, "_i": i} for i in range(n)}
+        if "keep" in t.column_names:
+            for i, k in enumerate(t["keep"].to_pylist()):
+                rows[int(got[i])]["keep"] = k or b""
         if "txt" in t.column_names:
             txt, pooled, lens = t["txt"].combine_chunks(), t["pooled"].combine_chunks(), t["txt_len"].to_numpy()
             for i in range(n):
@@ -372,6 +390,7 @@ class StoreLoader:
         batch = assemble_packed(lat, h, w, indices, torch.from_numpy(targets.copy()), {}, prompts, task,
                                 [{"sample_id": i} for i in ids])
         batch.sample_ids = list(ids)
+        batch.keep_BL = keep_mask([r.get("keep", b"") for r in rows], F, (h // 2) * (w // 2))
         if table.info.text_embeddings:
             batch.text = self._embeddings(rows, drop.tolist(), txt_len)
         elif self.tokenize is not None:

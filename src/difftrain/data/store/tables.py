@@ -13,7 +13,8 @@ in 2x2 patches as the model reads it, ``difftrain.tokens.patchify``), so serving
 (encoders trained with the model tokenize it when reading) or, for frozen encoders, as embeddings at their
 true length (``txt``: T x D values, ``txt_len`` = T; ``pooled``): a 512 x 4096 T5 embedding padded is 8x a
 1024^2 latent. Index columns: sample_id, source, key, caption, orig_h, orig_w, crop (top, left, h, w of
-the crop box in the resized image), scores (JSON).
+the crop box in the resized image), scores (JSON), and ``keep`` (the loss mask: a bit a target token, packed;
+empty where every token counts).
 
 Why Lance: random access by row for shuffled reads, versioned atomic commits (a failed prepare never
 damages the committed version) and object-store support.
@@ -182,13 +183,15 @@ def from_bits(a: np.ndarray, dtype: str, keep: bool = False) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a).view(np.float32).copy())
 
 
-def schema(latent_values: int, dtype: str, text_embeddings: bool) -> pa.Schema:
+def schema(latent_values: int, dtype: str, text_embeddings: bool, keep: bool = False) -> pa.Schema:
     bits = pa.uint16() if dtype == "bf16" else pa.uint32()
     fields = [("sample_id", pa.int64()), ("source", pa.string()), ("key", pa.string()), ("caption", pa.string()),
               ("orig_h", pa.int32()), ("orig_w", pa.int32()), ("crop", pa.list_(pa.int32(), 4)),
               ("scores", pa.string())]
     if text_embeddings:
         fields += [("txt", pa.large_list(bits)), ("txt_len", pa.int32()), ("pooled", pa.list_(bits))]
+    if keep:       # the loss mask: one bit a target token (np.packbits, token order); empty = every token counts
+        fields += [("keep", pa.binary())]
     # Latents are a Lance blob column: stored out of line and read by ``take_blobs`` straight into the batch
     # buffer (measured 3x the throughput of a fixed-size-list column on shuffled reads, bench/loader.py).
     # ``latent_values`` values of 2 (bf16) or 4 (fp32) bytes each.
@@ -207,15 +210,19 @@ class TableInfo:
     latent_shape: list[int]        # F, C, h, w
     key: dict
     text_embeddings: bool
+    keep: bool = False             # has the loss-mask column (tables written before it existed do not)
 
     @classmethod
     def from_json(cls, name: str, d: dict) -> "TableInfo":
         return cls(name, d["stage"], d["bucket"], d["task"], int(d["frames"]), list(d["latent_shape"]), d["key"],
-                   bool(d["text_embeddings"]))
+                   bool(d["text_embeddings"]), bool(d.get("keep", False)))
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "bucket": self.bucket, "task": self.task, "frames": self.frames,
-                "latent_shape": self.latent_shape, "key": self.key, "text_embeddings": self.text_embeddings}
+        out = {"stage": self.stage, "bucket": self.bucket, "task": self.task, "frames": self.frames,
+               "latent_shape": self.latent_shape, "key": self.key, "text_embeddings": self.text_embeddings}
+        if self.keep:
+            out["keep"] = True
+        return out
 
 
 def open_table(uri: str, name: str):
