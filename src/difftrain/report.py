@@ -177,7 +177,10 @@ def summarize(data: RunData) -> dict[str, Any]:
         if d is not None and s is not None and d + s > 0:
             fractions.append(d / (d + s))
     losses = [v for v in (_num(r.get("loss")) for r in rows) if v is not None]
+    vals = [(r["step"], _num(r.get("val_loss")), _num(r.get("val_loss_ema"))) for r in rows
+            if _num(r.get("val_loss")) is not None]
     return {
+        "last_val_loss": list(vals[-1]) if vals else None,      # [step, weights, EMA]
         "steps": max((r["step"] for r in rows), default=0),
         "last_step": rows[-1]["step"] if rows else 0,
         "rows": len(rows),
@@ -250,6 +253,12 @@ def _plot_loss(ax, rows: list[dict[str, Any]], notes: list[str]) -> None:
             faint = label == "loss" and len(curves) > 1     # the per-task lines carry the detail
             ax.plot(xs, ys, color=color, lw=1.0 if faint else 1.4, alpha=0.45 if faint else 1.0,
                     marker="." if len(ys) < 30 else None, label=label)
+    for j, key in enumerate(("val_loss", "val_loss_ema")):      # the validation loss: fixed noise and t
+        vs, vv = _series(rows, key)
+        if vs:
+            ax.plot(vs, vv, color="k", ls="-" if j == 0 else "--", marker="o", ms=3, lw=1.4,
+                    label=key.replace("_", " ") + " (held out)")
+            curves.append((key, vs, vv))
     if all(y > 0 for _, _, ys in curves for y in ys):
         ax.set_yscale("log")
     ax.set_title(title)
@@ -421,6 +430,10 @@ def _summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("mean samples/s", _fmt(s["samples_per_s"])),
         ("last loss", _fmt(s["last_loss"])),
     ]
+    if s.get("last_val_loss"):
+        step, w, e = s["last_val_loss"]
+        rows.append(("validation loss (held out), step " + str(step),
+                     _fmt(w) + ("" if e is None else f" (EMA {_fmt(e)})")))
     if s["data_errors"] is not None:
         rows.append(("data errors", _fmt(int(s["data_errors"]))))
     if s["mem_gb_max"] is not None:

@@ -14,11 +14,14 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
                      "train.compile_cache", "train.micro_batch", "data.read_threads", "data.prefetch",
                      "data.cache_dir", "data.cache_gb", "data.cache_lookahead", "data.max_error_rate", "sample.",
                      "eval.", "health.", "data.encoder_actors", "data.encoder_device",
-                     "attention.")      # a kernel computes the math kernel's attention within its tolerance
+                     "attention.",      # a kernel computes the math kernel's attention within its tolerance
+                     "validation.every", "validation.n", "validation.timesteps", "validation.seed",
+                     "validation.ema")  # measuring: validation.source changes what training reads
 
 # Keys added after a checkpoint was written, with the value that computes what that checkpoint's release did:
 # a saved config without the key and a run with that value are the same run.
-EARLIER_BEHAVIOUR = {"model.positions": "corner", "text.precision": "native", "train.fp8": "none"}
+EARLIER_BEHAVIOUR = {"model.positions": "corner", "text.precision": "native", "train.fp8": "none",
+                     "validation.source": ""}
 
 
 def _section_defaults(section: str, cls) -> dict:

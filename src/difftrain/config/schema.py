@@ -288,6 +288,23 @@ class EvalConfig:
 
 
 @dataclass
+class ValidationConfig:
+    every: int = meta("steps between evaluations of the flow-matching validation loss (0 = off); each is logged as "
+                      "val_loss (and val_loss_ema), per timestep as val_loss_t<k>, in metrics.jsonl, TensorBoard and "
+                      "the report", ge=0, default=0)
+    n: int = meta("held-out samples per task (shapes) or per table of the stage in force (store), the same at "
+                  "every evaluation", ge=1, le=4096, default=32)
+    timesteps: int = meta("points of the fixed timestep grid, t = (k + 0.5) / timesteps: each sample is judged at "
+                          "every point with noise fixed by (validation.seed, sample id, k), so two evaluations differ "
+                          "only by the weights", ge=1, le=64, default=8)
+    seed: int = meta("seed of the fixed noise", ge=0, default=0)
+    source: str = meta("the held-out split. Store: the name of a [[data.sources]] entry left out of training (its "
+                       "rows are the validation set; required with data.source = 'store'). Shapes: '' = the "
+                       "evaluation world (eval.seed), never trained on", default="")
+    ema: bool = meta("also evaluate the EMA weights (when train.ema_decay > 0)", default=True)
+
+
+@dataclass
 class HealthConfig:
     rollback_after: int = meta("a step with a non-finite loss or gradient is skipped (no update) and counted; after "
                                "this many in a row, roll back to the newest complete checkpoint and skip the "
@@ -391,3 +408,4 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)

@@ -77,9 +77,47 @@ class TrainerOutputs:
             self.watchdog.beat(self.step, "sampling")
             self.sample_grid(self.run_dir / "samples" / f"step_{self.step:08d}.png")
 
+    def _validate(self) -> None:
+        """The flow-matching validation loss (``train.validation``) every ``validation.every`` steps and at the end,
+        of the weights and of their EMA; kept for the step's metrics row (``_log_step`` writes it)."""
+        from difftrain.train.objectives import Denoiser
+        from difftrain.train.validation import shapes_batches, store_batches, validation_loss
+
+        v = self.cfg.validation
+        if not v.every or self.objective.batch_kind != "samples" or not (
+                self.step % v.every == 0 or self.step == self.total_steps):
+            return
+        self.watchdog.beat(self.step, "validation")
+        t0 = time.perf_counter()
+        if self.cfg.data.source == "store":
+            stage, batches = store_batches(self.cfg, self.loader, self.step - 1)
+        else:
+            if self.val_batches is None:
+                micro = self.cfg.train.micro_batch or min(16, v.n)
+                self.val_batches = shapes_batches(self.cfg, self.autoencoder, self.text_encoder.tokenize, micro)
+            stage, batches = None, self.val_batches
+        denoiser = Denoiser(self.model, self.text_encoder, self.device, self.amp, 1, 0, self.cfg.text.padding)
+        self.checkpointer.wait_staged()          # the EMA swap below writes the parameters
+        was = self.model.training
+        with cp_disabled(self.model):
+            self.model.eval()
+            loss, per_t = validation_loss(denoiser, batches, self.flow, v.timesteps, v.seed)
+            values = {"val_loss": round(loss, 6), **{f"val_loss_t{j}": round(x, 6) for j, x in enumerate(per_t)}}
+            if v.ema and self.ema is not None:
+                with self.ema.applied(self.model):
+                    values["val_loss_ema"] = round(validation_loss(denoiser, batches, self.flow, v.timesteps,
+                                                                   v.seed)[0], 6)
+        self.model.train(was)
+        if stage is not None:
+            values["val_stage"] = stage
+        values["val_s"] = round(time.perf_counter() - t0, 3)
+        self.val_values = values
+
     def _log_step(self, stats: StepStats, fetched: Fetched, force: bool = False) -> None:
         saved_now = self.last_save is not None and self.last_save.step == self.step
-        if not (force or saved_now or self.step % self.cfg.train.log_every == 0 or self.step == self.total_steps):
+        val, self.val_values = self.val_values, None
+        if not (force or saved_now or val or self.step % self.cfg.train.log_every == 0
+                or self.step == self.total_steps):
             return
         batch, total_s = fetched.batches[0], fetched.data_s + fetched.step_s
         # an objective whose micro-batches carry no statistics is asked as before: metrics(loss, task)
@@ -93,6 +131,8 @@ class TrainerOutputs:
                   "train_seconds": round(self.train_seconds, 2), "samples_seen": self.samples_seen,
                   "mem_gb": round(peak_memory_gb(self.device), 3), "skipped_steps": self.health.skipped_steps,
                   "restarts": self.restarts, "rollbacks": self.health.rollbacks, **self.health.straggler_info}
+        if val:                      # this step's validation loss
+            values.update(val)
         if self.stall_s:             # training time lost to checkpoints since the previous row
             values["checkpoint_stall_s"] = round(self.stall_s, 4)
             self.stall_s = 0.0

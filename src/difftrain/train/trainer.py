@@ -150,6 +150,7 @@ class Trainer(TrainerOutputs):
         self.optimizer = self._build_optimizer()
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.source, self.preview_prompts = source, None
+        self.val_batches, self.val_values = None, None       # the validation set (shapes), the step's figures
         self.loader = source.build(self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
                                    self.device, self.micro_batch)
         if hasattr(self.loader, "fault_hook"):       # DIFFTRAIN_FAULTS=unreadable@STEP: a row read as damaged
@@ -443,6 +444,7 @@ class Trainer(TrainerOutputs):
             if on_step is not None:
                 on_step(self.step, self.total_steps, stats)
             self._sample()
+            self._validate()
             preempted = self._stop_requested(stats)
             if preempted is not None:
                 break

@@ -109,6 +109,13 @@ class StoreLoader:
         if any(t.info.text_embeddings for t in self.tables.values()):
             from safetensors.torch import load_file
             self.empty_text = load_file(f"{self.store.rstrip('/')}/empty_text.safetensors")
+        v = cfg.validation
+        names = [src.get("name") for src in d.sources if isinstance(src, dict)]
+        if v.every and not v.source:
+            raise UserError("validation.every > 0 with data.source = 'store' needs validation.source: the name of a "
+                            f"[[data.sources]] entry held out from training ({', '.join(map(str, names)) or 'none'})")
+        if v.source and names and v.source not in names:
+            raise UserError(f"validation.source = {v.source!r}: no such entry in data.sources ({', '.join(names)})")
         self.streams = self._streams()
         self._cum = {}
         for stage, streams in self.streams.items():
@@ -149,8 +156,8 @@ class StoreLoader:
                     continue
                 bucket = stage.bucket(info.bucket)
                 for source, (lo, hi) in table.spans.items():
-                    if stage.mixture and source not in stage.mixture:
-                        continue
+                    if stage.mixture and source not in stage.mixture or source == self.cfg.validation.source:
+                        continue       # not in this stage's mixture, or the held-out validation split
                     sname = f"{name}/{source}"
                     if hi - lo < bucket.global_batch:
                         warnings.warn(f"stream {sname} has {hi - lo} samples, fewer than its bucket's global batch "
