@@ -105,3 +105,34 @@ def test_presets_ship_inside_a_non_editable_install(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, check=True).stdout.split()
     assert all(line.startswith(str(site)) for line in out), out
+
+
+def test_extends_starts_from_a_preset_or_a_file_and_refuses_cycles(tmp_path):
+    from difftrain.config import load_config
+
+    base = tmp_path / "base.toml"
+    base.write_text('extends = "shapes-store"\n[train]\nlr = 0.01\n[data]\nstore = "s1"\n')
+    mine = tmp_path / "mine.toml"
+    mine.write_text('extends = "base.toml"\ndata.sources = [{path = "photos"}]\n[train]\nsteps = 7\n')
+    cfg = load_config(mine)
+    assert (cfg.train.lr, cfg.train.steps, cfg.data.store) == (0.01, 7, "s1")     # tables merge key by key
+    assert cfg.data.sources == [{"path": "photos"}]                                # arrays replace
+    assert cfg.model.hidden == 192 and len(cfg.data.stages) == 2                   # the preset's, untouched
+    (tmp_path / "a.toml").write_text('extends = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('extends = "a.toml"\n')
+    with pytest.raises(UserError, match="makes a cycle"):
+        load_config(tmp_path / "a.toml")
+    (tmp_path / "c.toml").write_text('extends = "no-such-preset"\n')
+    with pytest.raises(UserError, match=r"c.toml: extends = 'no-such-preset'.*not found"):
+        load_config(tmp_path / "c.toml")
+    (tmp_path / "d.toml").write_text("extends = 3\n")
+    with pytest.raises(UserError, match="extends = 3: expected a preset name"):
+        load_config(tmp_path / "d.toml")
+
+
+def test_a_source_table_needs_only_its_path():
+    from difftrain.data.prepare.ingest import normalize_spec
+
+    assert normalize_spec({"path": "data/my-photos/"}) == {"path": "data/my-photos/", "kind": "folder",
+                                                            "name": "my-photos"}
+    assert normalize_spec({"path": "x", "kind": "edit", "name": "n"}) == {"path": "x", "kind": "edit", "name": "n"}

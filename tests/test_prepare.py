@@ -479,3 +479,34 @@ def test_store_run_tunes_attention_at_the_micro_batches_the_loader_cuts(prepared
     assert sum(r.get("attention_tuned_calls", 0) for r in rows) == kernel.calls["tuned"]
     assert all(r.get("attention_fallback_calls") == 0 for r in rows if "loss" in r)
     trainer.close()
+
+
+def test_a_folder_of_images_with_txt_captions_trains_from_a_two_line_config(ray_local, tmp_path, monkeypatch,
+                                                                           capsys):
+    """The first recipe of docs/fine-tuning.md, as a newcomer writes it: ``extends`` a preset and one source line
+    naming a folder of images with ``.txt`` captions (kind and name default); prepare, then train from the store."""
+    from PIL import Image
+
+    from difftrain.cli import main
+    from difftrain.shapes.world import ShapesWorld
+
+    photos = tmp_path / "my-images"
+    photos.mkdir()
+    world = ShapesWorld(5, 48, 3)
+    for i in range(36):
+        img, caption, _ = world.t2i(i)
+        Image.fromarray(img).save(photos / f"img_{i:03d}.png")
+        (photos / f"img_{i:03d}.txt").write_text(caption + "\n")
+    (tmp_path / "run.toml").write_text('extends = "shapes-folder"\ndata.sources = [{path = "my-images"}]\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "run.toml", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["kept"] == summary["inputs"] == 36
+    rec = read_record("shapes-folder-store/curation.parquet").to_pylist()
+    assert {r["source"] for r in rec} == {"my-images"} and rec[0]["caption"] == open(
+        photos / f"{rec[0]['key']}.txt").read().strip()
+    assert main(["train", "run.toml", "--run-dir", "runs/mine", "--no-progress", "--set", "train.steps=2", "--set",
+                 "train.checkpoint_every=0", "--set", "train.log_every=1"]) == 0
+    rows = [json.loads(x) for x in Path("runs/mine/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(r["task"] == "t2i" for r in rows if "task" in r)
+    assert (tmp_path / "runs" / "mine" / "export" / "model.safetensors").is_file()

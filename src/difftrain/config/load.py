@@ -168,21 +168,61 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return path, value
 
 
+MAX_EXTENDS = 8      # a chain of ``extends`` longer than this is a mistake, not a design
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``: tables merge key by key; any other value (arrays of tables included, such as
+    ``[[data.sources]]``) replaces the base's."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file's tables, on top of what its top-level ``extends`` names (a preset, or a .toml path relative
+    to the file), recursively."""
+    if not p.is_file():
+        raise UserError(f"{p}: config file not found" + (f" (extended by {chain[-1]})" if chain else ""))
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{p}: not valid TOML ({e})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not a UTF-8 text file (expected a TOML config)") from None
+    if "extends" not in data:
+        return data
+    base = data.pop("extends")
+    if not isinstance(base, str) or not base.strip():
+        raise UserError(f"{p}: extends = {base!r}: expected a preset name (difftrain config presets) or a path to a "
+                        ".toml file")
+    local = (p.parent / base) if not Path(base).is_absolute() else Path(base)
+    if local.is_file():
+        bp = local
+    else:
+        from difftrain.config import preset_path
+        try:
+            bp = preset_path(base)
+        except UserError as e:
+            raise UserError(f"{p}: extends = {base!r}: {e}") from None
+    here = chain + (p.resolve(),)
+    if bp.resolve() in here:
+        raise UserError(f"{p}: extends = {base!r} makes a cycle: " + " -> ".join(map(str, here + (bp.resolve(),))))
+    if len(here) > MAX_EXTENDS:
+        raise UserError(f"{p}: extends chains more than {MAX_EXTENDS} files deep")
+    return _merge(_read(bp, here), data)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read ``path`` (TOML; None = defaults), apply overrides, validate."""
+    """Read ``path`` (TOML; None = defaults; a top-level ``extends = "PRESET or path"`` starts from that config,
+    the file's own keys on top), apply overrides, validate."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         p = Path(path)
         source = str(p)
-        if not p.is_file():
-            raise UserError(f"{p}: config file not found")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise UserError(f"{p}: not valid TOML ({e})") from None
-        except UnicodeDecodeError:
-            raise UserError(f"{p}: not a UTF-8 text file (expected a TOML config)") from None
+        data = _read(p)
     for item in overrides:
         (sec, key), value = parse_override(item)
         data.setdefault(sec, {})

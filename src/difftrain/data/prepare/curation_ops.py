@@ -87,13 +87,14 @@ def local_path(path: str) -> str:
 def check_sources(cfg) -> list[dict]:
     """``[[data.sources]]`` checked on the driver (names, kinds, paths given), with local paths made absolute;
     the listing happens in Ray tasks."""
-    from difftrain.data.prepare.ingest import _check_spec, mask_mode
+    from difftrain.data.prepare.ingest import _check_spec, mask_mode, normalize_spec
 
     if not cfg.data.sources:
         raise UserError("data.sources is empty: add [[data.sources]] tables {name, kind, path} to the config")
-    names = [s.get("name") if isinstance(s, dict) else None for s in cfg.data.sources]
+    given = [normalize_spec(s) for s in cfg.data.sources]
+    names = [s.get("name") if isinstance(s, dict) else None for s in given]
     specs = []
-    for spec in cfg.data.sources:
+    for spec in given:
         _, _, path, _ = _check_spec(spec)
         mask_mode(spec)
         specs.append(dict(spec, path=local_path(path) if isinstance(path, str) else [local_path(p) for p in path]))

@@ -156,9 +156,23 @@ def _spec_error(name: str, key: str, msg: str) -> UserError:
     return UserError(f"data.sources[{name!r}].{key}: {msg}")
 
 
+def normalize_spec(spec: Any) -> Any:
+    """A source table with the defaults a newcomer leaves out: ``kind = "folder"`` and, for one path, ``name`` = its
+    last part (``{path = "my-photos"}`` is a folder source named ``my-photos``)."""
+    if not isinstance(spec, dict):
+        return spec
+    out = dict(spec)
+    out.setdefault("kind", "folder")
+    path = out.get("path")
+    if "name" not in out and isinstance(path, str) and path.strip("/"):
+        out["name"] = posixpath.basename(path.rstrip("/")) or path
+    return out
+
+
 def _check_spec(spec: Any) -> tuple[str, str, Any, str]:
     if not isinstance(spec, dict):
         raise UserError(f"data.sources: each source must be a table, got {type(spec).__name__}")
+    spec = normalize_spec(spec)
     name = spec.get("name")
     if not isinstance(name, str) or not name:
         raise UserError(f"data.sources: a source has no 'name' (expected a non-empty string), got {name!r}")
@@ -185,7 +199,7 @@ def mask_mode(spec: dict) -> str:
     image, ``<key>/mask.png`` in an edit folder, a manifest's ``mask`` column), "alpha" (the target image's alpha
     channel) or "none". Masks are for the images a loss is taken on: text-to-image and edit targets."""
     name, _, _, task = _check_spec(spec)
-    mode = spec.get("mask", "auto")
+    mode = normalize_spec(spec).get("mask", "auto")
     if mode not in MASK_MODES:
         raise _spec_error(name, "mask", f"unknown mask {mode!r}; expected one of {', '.join(MASK_MODES)}")
     if mode == "alpha" and task == "keyframes":
@@ -482,6 +496,7 @@ def iter_source(spec: dict, errors: list[str] | None = None) -> Iterator[RawSamp
     still yields what it lists; the fault is appended to ``errors`` when a list is given, else a
     ``ShardError`` naming the shard is raised once every readable sample has been yielded.
     """
+    spec = normalize_spec(spec)
     name, kind, path, task = _check_spec(spec)
     mode = mask_mode(spec)
     if kind == "folder":

@@ -110,7 +110,8 @@ class StoreLoader:
             from safetensors.torch import load_file
             self.empty_text = load_file(f"{self.store.rstrip('/')}/empty_text.safetensors")
         v = cfg.validation
-        names = [src.get("name") for src in d.sources if isinstance(src, dict)]
+        from difftrain.data.prepare.ingest import normalize_spec
+        names = [normalize_spec(src).get("name") for src in d.sources if isinstance(src, dict)]
         if v.every and not v.source:
             raise UserError("validation.every > 0 with data.source = 'store' needs validation.source: the name of a "
                             f"[[data.sources]] entry held out from training ({', '.join(map(str, names)) or 'none'})")
