@@ -377,3 +377,46 @@ def test_a_quantized_layer_dequantized_by_pieces_is_the_whole_layer(monkeypatch,
         w = dequantized(layer.weight, torch.float32)
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w, layer.bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.grad, g @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("adapter", ["none", "lora"])
+def test_previews_show_the_base_the_weights_and_their_ema_side_by_side(base, tmp_path, adapter):
+    """Every preview row holds the base's images (an adapter run: adapters disabled; a full fine-tune: its weights
+    at step 0, kept for restarts), the current weights' and the EMA's, at fixed seeds; TensorBoard gets the grid."""
+    from PIL import Image
+
+    from difftrain.evaluate import preview_rows
+    from difftrain.train import build_trainer
+
+    sets = RUN + [f"model.init_from={base}", "train.steps=4", "train.sample_every=2", "train.lr=3e-3",
+                  "train.checkpoint_every=2", "sample.steps=2"]
+    if adapter == "lora":
+        sets += ADAPTED[:2]
+    cfg = load_config(None, sets + [f"adapter.kind={adapter}"])
+    tr = build_trainer(cfg, tmp_path / "run")
+    fresh = build_trainer(load_config(None, sets + [f"adapter.kind={adapter}", "train.sample_every=0"]),
+                          tmp_path / "fresh")
+    fresh.model.eval()
+    want = preview_rows(fresh.pipeline(), cfg, 4, None)             # the base, as a new process reads it
+    fresh.close()
+    tr.fit()
+    assert [len(r[0]) for r in tr.base_preview] == [len(r[0]) for r in want]
+    for (got, _), (exp, _) in zip(tr.base_preview, want):
+        assert all((g == e).all() for g, e in zip(got, exp))
+    grids = sorted((tmp_path / "run" / "samples").glob("step_*.png"))
+    assert [g.name for g in grids] == ["step_00000002.png", "step_00000004.png"]
+    cell = 32 * 3 + 4                                                  # caption_grid: 3x nearest + padding
+    frames = max(len(r[0]) for r in want)                              # the longest row's (a keyframe clip's) images
+    with Image.open(grids[-1]) as im:
+        assert im.size[0] == 260 + 4 + 3 * frames * cell                # base | now | EMA
+    now = preview_rows(tr.pipeline(), cfg, 4, None)
+    assert any((a != b).any() for (x, _), (y, _) in zip(now, want) for a, b in zip(x, y))   # it trained
+    assert list((tmp_path / "run" / "tb").glob("events.*"))
+    tr.close()
+    if adapter == "none":            # a restart of a full fine-tune shows the base it kept at step 0
+        assert (tmp_path / "run" / "samples" / "base_preview.pt").is_file()
+        again = build_trainer(load_config(None, sets + ["train.steps=6", f"adapter.kind={adapter}"]), tmp_path / "run")
+        assert again.step == 4
+        rows = again._base_rows(4)
+        assert all((g == e).all() for (x, _), (y, _) in zip(rows, want) for g, e in zip(x, y))
+        again.close()

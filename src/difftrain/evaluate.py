@@ -193,6 +193,14 @@ def preview_grid(pipe: Pipeline, cfg, path, n: int = 4, write: bool = True, prom
     ``prompts`` when given, else ``n`` per task of the shapes world the config describes (``eval.seed``);
     written as a PNG when ``write`` (rank 0). Every rank calls it under FSDP."""
     from difftrain.images import caption_grid
+
+    rows = preview_rows(pipe, cfg, n, prompts)
+    return caption_grid(rows, path) if write else path
+
+
+def preview_rows(pipe: Pipeline, cfg, n: int = 4, prompts: list[str] | None = None) -> list[tuple[list, str]]:
+    """``preview_grid``'s rows, (images, prompt) each, with fixed seeds (``sample.seed``): the same prompts and noise
+    every time, so two weights' rows differ only by the weights."""
     from difftrain.shapes import world_from_config
 
     s, rows = cfg.sample, []
@@ -206,4 +214,4 @@ def preview_grid(pipe: Pipeline, cfg, path, n: int = 4, write: bool = True, prom
             for g in generate_task(pipe, world, task, list(range(n)), s.steps, s.cfg_scale, s.seed,
                                    cfg.eval.keyframe_given):
                 rows.append((g.images, g.prompt))
-    return caption_grid(rows, path) if write else path
+    return rows

@@ -63,6 +63,15 @@ class MetricsLogger:
         self._tb.close()
         self._tb = SummaryWriter(str(self.path.parent / "tb"), purge_step=step + 1)
 
+    def image(self, tag: str, png, step: int) -> None:
+        """A PNG (a preview grid) into TensorBoard's images at ``step`` (rank 0; no-op without TensorBoard)."""
+        if self._tb is None:
+            return
+        import numpy as np
+        from PIL import Image
+        with Image.open(png) as im:
+            self._tb.add_image(tag, np.asarray(im.convert("RGB")), step, dataformats="HWC")
+
     def log(self, step: int, values: dict[str, Any]) -> None:
         numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._gauges is not None:

@@ -202,17 +202,69 @@ class TrainerOutputs:
         return path
 
     def sample_grid(self, path: Path, n: int = 4) -> Path:
-        """A preview grid of the run's own prompts (``ConfiguredSource.preview_prompts``), with the EMA weights,
-        on every rank (FSDP all-gathers need all of them), on the full sequences (context parallelism off);
-        rank 0 writes the PNG."""
-        from difftrain.evaluate import preview_grid
+        """A preview grid of the run's own prompts (``ConfiguredSource.preview_prompts``) at fixed seeds, each row the
+        **base** model's images (a fine-tune's: the adapters disabled, or the weights as ``model.init_from`` gave them
+        at step 0), the **current** weights' and their **EMA**'s side by side; on every rank (FSDP all-gathers need all
+        of them), on full sequences (context parallelism off); rank 0 writes the PNG and TensorBoard's image."""
+        from difftrain.evaluate import preview_rows
+        from difftrain.images import caption_grid
 
         if self.preview_prompts is None:
             self.preview_prompts = self.source.preview_prompts(3 * n) or []
         self.checkpointer.wait_staged()          # the EMA swap below writes the parameters
-        with self.ema.applied(self.model) if self.ema else contextlib.nullcontext(), cp_disabled(self.model):
+        sets: list[tuple[str, list]] = []
+        base = self._base_rows(n)
+        if base is not None:
+            sets.append(("base", base))
+        with cp_disabled(self.model):
             self.model.eval()
-            return preview_grid(self.pipeline(), self.cfg, path, n, self.env.is_main, self.preview_prompts)
+            sets.append(("now", preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)))
+            if self.ema is not None:
+                with self.ema.applied(self.model):
+                    sets.append(("EMA", preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)))
+        if not self.env.is_main:
+            return path
+        legend = " | ".join(name for name, _ in sets)
+        rows = [([img for _, r in sets for img in r[i][0]], f"{sets[-1][1][i][1]}\n[{legend}]")
+                for i in range(len(sets[-1][1]))]
+        out = caption_grid(rows, path)
+        self.metrics.image("previews", out, self.step)
+        return out
+
+    def _base_rows(self, n: int) -> list | None:
+        """The base model's preview rows, rendered once: an adapter run's base is its model with the adapters
+        disabled; a full fine-tune's (``model.init_from``) is its weights at step 0, rendered then and kept in
+        ``RUN/samples/base_preview.pt`` for later steps and restarts. None for a run from scratch."""
+        from difftrain.evaluate import preview_rows
+
+        if self.base_preview is not None:
+            return self.base_preview
+        keep = self.run_dir / "samples" / "base_preview.pt"
+        if self.adapter is not None:
+            from difftrain.models.lora import adapters_disabled
+            with cp_disabled(self.model), adapters_disabled(self.model["dit"]):
+                self.model.eval()
+                self.base_preview = preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)
+        elif self.cfg.model.init_from and self.step == 0:
+            with cp_disabled(self.model):
+                self.model.eval()
+                self.base_preview = preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)
+            if self.env.is_main:
+                import torch
+                keep.parent.mkdir(parents=True, exist_ok=True)
+                torch.save([([im.copy() for im in imgs], p) for imgs, p in self.base_preview], keep)
+        elif self.cfg.model.init_from and keep.is_file():
+            import torch
+            self.base_preview = torch.load(keep, weights_only=False)
+        return self.base_preview
+
+    def _base_preview_at_start(self) -> None:
+        """A full fine-tune's base preview, before its first step (its weights are the base only then)."""
+        if (self.cfg.train.sample_every and self.cfg.model.init_from and self.adapter is None and self.step == 0
+                and self.objective.batch_kind == "samples"):
+            if self.preview_prompts is None:
+                self.preview_prompts = self.source.preview_prompts(12) or []
+            self._base_rows(4)
 
 
 def _full(t):

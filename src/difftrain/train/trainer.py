@@ -151,6 +151,7 @@ class Trainer(TrainerOutputs):
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.source, self.preview_prompts = source, None
         self.val_batches, self.val_values = None, None       # the validation set (shapes), the step's figures
+        self.base_preview = None                             # the base model's preview rows (a fine-tune's)
         self.loader = source.build(self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
                                    self.device, self.micro_batch)
         if hasattr(self.loader, "fault_hook"):       # DIFFTRAIN_FAULTS=unreadable@STEP: a row read as damaged
@@ -483,6 +484,7 @@ class Trainer(TrainerOutputs):
         self.preemption.install()
         self.watchdog.start().beat(self.step, "start-up")     # (again, after an earlier fit stopped it)
         self.metrics.event("start", self.step, world=self.env.world, restarts=self.restarts, run_id=self.run_id)
+        self._base_preview_at_start()
 
     def _fetch(self) -> Fetched | None:
         """The next step's batches (None when the step is skipped on replay: its batch broke training before)."""
