@@ -420,3 +420,39 @@ def test_previews_show_the_base_the_weights_and_their_ema_side_by_side(base, tmp
         rows = again._base_rows(4)
         assert all((g == e).all() for (x, _), (y, _) in zip(rows, want) for g, e in zip(x, y))
         again.close()
+
+
+def test_a_word_encoder_trained_with_the_base_is_carried_by_word(base, tmp_path):
+    """The base's export holds its word encoder and vocabulary.json; a run from it starts with the same encoder
+    (every word the base knew keeps its vector), and words its data adds get rows of their own."""
+    from difftrain.models.text import WordTextEncoder
+    from difftrain.parallel.words_init import base_vocabulary, load_word_encoder
+    from difftrain.train import build_trainer
+
+    words = base_vocabulary(base)
+    assert words and len(words) > 10
+    ref = load_file(str(base / "model.safetensors"))
+    cfg = load_config(None, RUN + [f"model.init_from={base}", "train.steps=1", "train.checkpoint_every=0"])
+    tr = build_trainer(cfg, tmp_path / "full")
+    assert tr.text_encoder.vocabulary[2:] == words
+    for k, v in tr.model["text"].state_dict().items():
+        assert torch.equal(v, ref["text." + k]), k
+    tr.close()
+    # new words: rows of their own, the base's matched by word wherever they sit
+    enc = WordTextEncoder(list(reversed(words[:5])) + ["zebra"] + words[5:], 16, 16, 1)
+    before = enc.embed.weight.detach().clone()
+    got = load_word_encoder(enc, base, words)
+    assert got == {"tensors": len(dict(enc.named_parameters())), "words_kept": len(words), "words_new": 1}
+    emb = ref["text.embed.weight"]
+    for w in words:
+        assert torch.equal(enc.embed.weight[enc.index[w]], emb[words.index(w) + 2]), w
+    z = enc.index["zebra"]
+    assert torch.equal(enc.embed.weight[z], before[z])                       # initialised, not copied
+    # hostile: a malformed vocabulary, an encoder of another width
+    bad = tmp_path / "bad"
+    shutil.copytree(base, bad)
+    (bad / "vocabulary.json").write_text('{"not": "a list"}')
+    with pytest.raises(UserError, match="vocabulary.json: expected a JSON list"):
+        base_vocabulary(bad)
+    with pytest.raises(UserError, match=r"does not fit this run's text settings.*embed.weight"):
+        load_word_encoder(WordTextEncoder(words, 16, 24, 1), base, words)

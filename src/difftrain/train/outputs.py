@@ -169,6 +169,10 @@ class TrainerOutputs:
         if self.ema is not None:                 # the EMA of what was trained (with an adapter: of the adapters)
             named.update(self.ema.state_dict())
         out, dtype = self.run_dir / "export", export_dtype(self.cfg, self.amp)
+        if self.env.is_main:           # a words encoder's vocabulary: what model.init_from needs to carry it on
+            from difftrain.parallel.words_init import write_vocabulary
+            out.mkdir(parents=True, exist_ok=True)
+            write_vocabulary(self.text_encoder, out)
         spec = self.adapter
         if spec is None:
             return write_weights(named, self.cfg, out, self.env.is_main, dtype=dtype)

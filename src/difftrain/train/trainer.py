@@ -125,8 +125,14 @@ class Trainer(TrainerOutputs):
         ae = cfg.autoencoder
         self.autoencoder = build_autoencoder(ae.kind, ae.factor, ae.path, ae.scaling, ae.shift).to(self.device)
         vocab = info.get("text_encoder", {}).get("vocabulary") if info else None
+        self.base_words = None       # a words encoder carried from model.init_from: the base's words
         if vocab is None and cfg.text.kind == "words":
             vocab = source.vocabulary()
+            if cfg.model.init_from and not self.dpo_run:
+                from difftrain.parallel.words_init import base_vocabulary, extended
+                self.base_words = base_vocabulary(cfg.model.init_from)
+                if self.base_words is not None:          # its words keep their ids; the data's new ones follow
+                    vocab = extended(self.base_words, vocab)
         # Frozen encoders are built where something first encodes with them: never while a store that holds
         # their states feeds training (previews, eval and candidates build them when they run).
         self.text_encoder = build_text_encoder(cfg, vocab, self.device, lazy=True, on_build=self._encoders_built)
@@ -251,6 +257,10 @@ class Trainer(TrainerOutputs):
             from difftrain.parallel.pretrained import load_pretrained
             report = load_pretrained(dit, cfg.model.init_from, on_loaded=self._quantize_one)
             log.info("initialised from %s (%s)", cfg.model.init_from, report)
+            if fresh and self.base_words is not None and "text" in model:
+                from difftrain.parallel.words_init import load_word_encoder
+                words = load_word_encoder(model["text"], cfg.model.init_from, self.base_words)
+                log.info("word encoder from %s: %s", cfg.model.init_from, words)
             if self.quantized and self.device.type == "cpu":
                 from difftrain.models.base_quant import release_freed_memory
                 release_freed_memory()      # the full-precision weights the base was read through
