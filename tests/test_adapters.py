@@ -442,7 +442,8 @@ def test_a_word_encoder_trained_with_the_base_is_carried_by_word(base, tmp_path)
     enc = WordTextEncoder(list(reversed(words[:5])) + ["zebra"] + words[5:], 16, 16, 1)
     before = enc.embed.weight.detach().clone()
     got = load_word_encoder(enc, base, words)
-    assert got == {"tensors": len(dict(enc.named_parameters())), "words_kept": len(words), "words_new": 1}
+    assert got == {"tensors": len(dict(enc.named_parameters())), "words_kept": len(words), "words_new": 1,
+                   "new_rows_trained_apart": False}
     emb = ref["text.embed.weight"]
     for w in words:
         assert torch.equal(enc.embed.weight[enc.index[w]], emb[words.index(w) + 2]), w
@@ -456,3 +457,54 @@ def test_a_word_encoder_trained_with_the_base_is_carried_by_word(base, tmp_path)
         base_vocabulary(bad)
     with pytest.raises(UserError, match=r"does not fit this run's text settings.*embed.weight"):
         load_word_encoder(WordTextEncoder(words, 16, 24, 1), base, words)
+
+
+def test_an_adapter_learns_a_word_its_base_never_saw_in_a_row_of_its_own(base, tmp_path):
+    """A base that never saw a word the data uses: the adapter run gives it a row of its own (``text.new_words``),
+    trained with the adapters while every base row and the DiT's base stay as they were; the checkpoint holds it, a
+    resume rebuilds the split, and the export carries the word (merged embedding, vocabulary.json, and beside the
+    adapter)."""
+    from difftrain.train import build_trainer
+
+    # a base without the word 'red': its row and its vocabulary entry removed
+    lean = tmp_path / "lean"
+    lean.mkdir()
+    words = json.loads((base / "vocabulary.json").read_text())
+    drop = words.index("red")
+    tensors = load_file(str(base / "model.safetensors"))
+    emb = tensors["text.embed.weight"]
+    tensors["text.embed.weight"] = torch.cat([emb[: drop + 2], emb[drop + 3:]])
+    save_file(tensors, str(lean / "model.safetensors"), metadata={"format": "difftrain-weights/1"})
+    shutil.copy(base / "config.toml", lean / "config.toml")
+    (lean / "vocabulary.json").write_text(json.dumps(words[:drop] + words[drop + 1:]))
+    sets = RUN + ADAPTED[:2] + [f"model.init_from={lean}", "adapter.kind=lora", "train.steps=3",
+                                "train.checkpoint_every=3", "train.lr=3e-2"]
+    tr = build_trainer(load_config(None, sets), tmp_path / "run")
+    text = tr.model["text"]
+    assert tr.text_encoder.vocabulary[-1] == "red" and text.new_words.shape[0] == 1 and text.new_words.requires_grad
+    assert not text.embed.weight.requires_grad
+    base_rows, new_before = text.embed.weight.detach().clone(), text.new_words.detach().clone()
+    frozen = {k: v.detach().clone() for k, v in tr.dit.named_parameters() if not v.requires_grad}
+    tr.fit()
+    assert torch.equal(text.embed.weight, base_rows)
+    assert not torch.equal(text.new_words.detach(), new_before)              # trained
+    assert all(torch.equal(v, dict(tr.dit.named_parameters())[k]) for k, v in frozen.items())
+    trained = text.new_words.detach().clone()
+    tr.close()
+    keys = _checkpoint_keys(tmp_path / "run" / "checkpoints" / "step_00000003")
+    assert any("text.new_words" in k for k in keys)
+    again = build_trainer(load_config(None, sets + ["train.steps=4"]), tmp_path / "run")
+    assert again.step == 3 and torch.equal(again.model["text"].new_words.detach(), trained)
+    again.close()
+    exp = tmp_path / "run" / "export"
+    vocab = json.loads((exp / "adapter" / "words" / "vocabulary.json").read_text())
+    merged = load_file(str(exp / "adapter" / "words" / "model.safetensors"))["text.embed.weight"]
+    assert vocab[-1] == "red" and merged.shape[0] == len(vocab) + 2
+    assert torch.equal(merged[: -1], base_rows.to(merged.dtype))
+    # sampling from the run reads the word's trained row
+    from difftrain.inference import load_pipeline
+    pipe, _, _ = load_pipeline(tmp_path / "run", device=torch.device("cpu"))
+    assert pipe.text_encoder.tokenize(["red"])["ids"][0, 0] == len(vocab) + 1
+    ema = load_file(str(exp / "adapter" / "words" / "model.safetensors"))["text.embed.weight"][-1]
+    got = pipe.text_encoder.new_words.detach()[0]
+    assert torch.allclose(got, ema.to(got.dtype))                         # the EMA the export holds

@@ -65,7 +65,7 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     ae = build_autoencoder(cfg.autoencoder.kind, cfg.autoencoder.factor, cfg.autoencoder.path,
                            cfg.autoencoder.scaling, cfg.autoencoder.shift)
     vocab = info.get("text_encoder", {}).get("vocabulary")
-    text = build_text_encoder(cfg, vocab, device)
+    text = build_text_encoder(cfg, vocab, device, base_words=int(info.get("text_encoder", {}).get("base_words", 0)))
     model = build_model(cfg, text, ae, "meta" if sharded else device)
     adapted = "adapter" in info              # a run with an adapter: its checkpoint holds the adapters alone
     if adapted:

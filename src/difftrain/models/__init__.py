@@ -13,14 +13,15 @@ from difftrain.models.text import WordTextEncoder
 
 
 def build_text_encoder(cfg: Config, vocabulary: list[str] | None = None, device: torch.device | str = "cpu",
-                       lazy: bool = False, on_build=None):
+                       lazy: bool = False, on_build=None, base_words: int = 0):
     """The config's text encoder on ``device``. ``lazy``: frozen ('hf') encoders are built on first use
     (``LazyHFTextEncoder``; ``on_build(encoder)`` is called then), so a run that never encodes never holds them."""
     t = cfg.text
     if t.kind == "words":
         if not vocabulary:   # the vocabulary is data: the caller takes it from its data source or checkpoint
             raise ValueError("text.kind = 'words' needs its word vocabulary (difftrain.sources.vocabulary_for(cfg))")
-        return WordTextEncoder(vocabulary, t.max_tokens, t.dim, t.layers, padding=t.padding).to(device)
+        return WordTextEncoder(vocabulary, t.max_tokens, t.dim, t.layers, padding=t.padding,
+                               base_words=base_words).to(device)
     from difftrain.models.hf_text import HFTextEncoder, LazyHFTextEncoder
     if lazy:
         return LazyHFTextEncoder(t.t5_path, t.clip_path, t.max_tokens, t.dtype, device, t.padding, t.precision,

@@ -102,7 +102,7 @@ class WordTextEncoder(nn.Module):
     trainable = True
 
     def __init__(self, vocabulary: list[str], max_tokens: int = 16, dim: int = 128, layers: int = 1,
-                 heads: int = 4, padding: str = "masked"):
+                 heads: int = 4, padding: str = "masked", base_words: int = 0):
         super().__init__()
         if padding not in PADDING:
             raise ValueError(f"text.padding = {padding!r}: expected one of {PADDING}")
@@ -110,7 +110,13 @@ class WordTextEncoder(nn.Module):
         self.vocabulary = [PAD, UNK] + [w for w in vocabulary if w not in (PAD, UNK)]
         self.index = {w: i for i, w in enumerate(self.vocabulary)}
         self.max_tokens, self.dim, self.pooled_dim = max_tokens, dim, dim
-        self.embed = nn.Embedding(len(self.vocabulary), dim)
+        # ``base_words``: the first words are a base model's (``embed``), the rest words a fine-tune adds
+        # (``new_words``, a parameter of their own, so that an adapter run trains them with the base frozen)
+        n = len(self.vocabulary)
+        self.base_words = base_words if 0 < base_words < n - 2 else 0
+        rows = self.base_words + 2 if self.base_words else n
+        self.embed = nn.Embedding(rows, dim)
+        self.new_words = nn.Parameter(torch.empty(n - rows, dim)) if self.base_words else None
         self.pos = nn.Parameter(torch.zeros(max_tokens, dim))
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(dim, max(1, min(heads, dim // 16)), 4 * dim, dropout=0.0,
@@ -125,6 +131,8 @@ class WordTextEncoder(nn.Module):
         # caption; conditioning then takes thousands of steps to appear instead of a few hundred.
         nn.init.normal_(self.embed.weight, std=1.0)
         nn.init.normal_(self.pos, std=0.5)
+        if self.new_words is not None:
+            nn.init.normal_(self.new_words, std=1.0)
 
     def tokenize(self, prompts: list[str], length: int | None = None) -> dict[str, Tensor]:
         """Word ids padded to ``length``, by default the rule's length for the batch's longest prompt ('masked':
@@ -155,7 +163,14 @@ class WordTextEncoder(nn.Module):
         ids = tokens["ids"]
         real = ids != 0
         real[:, 0] = True                       # the empty prompt is one position: the pad embedding
-        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        if self.new_words is None:
+            x = self.embed(ids)
+        else:                                   # base rows from embed, a fine-tune's words from new_words
+            nb = self.embed.num_embeddings
+            new = ids >= nb
+            x = torch.where(new[..., None], self.new_words[(ids - nb).clamp(min=0)],
+                            self.embed(ids.clamp(max=nb - 1)))
+        x = x + self.pos[: ids.shape[1]]
         pad_mask = ~real if self.padding == "masked" else None
         for layer in self.layers:
             x = layer(x, src_key_padding_mask=pad_mask)
@@ -167,5 +182,8 @@ class WordTextEncoder(nn.Module):
 
     def extra_state(self) -> dict:
         """What a checkpoint needs to rebuild this encoder (the vocabulary is data, not code)."""
-        return {"kind": "words", "vocabulary": self.vocabulary[2:], "max_tokens": self.max_tokens,
-                "dim": self.dim, "layers": len(self.layers), "padding": self.padding}
+        out = {"kind": "words", "vocabulary": self.vocabulary[2:], "max_tokens": self.max_tokens,
+               "dim": self.dim, "layers": len(self.layers), "padding": self.padding}
+        if self.base_words:
+            out["base_words"] = self.base_words
+        return out

@@ -80,7 +80,7 @@ def load_word_encoder(encoder: nn.Module, path: str | Path, base_words: list[str
     f = _folder(path) / EXPORT_WEIGHTS
     if not f.is_file():
         raise UserError(f"init_from {path}: {VOCABULARY} is there but not {EXPORT_WEIGHTS}")
-    params = dict(encoder.named_parameters())
+    params = {k: v for k, v in encoder.named_parameters() if k != "new_words"}    # a fine-tune's own rows
     with safe_open(str(f), framework="pt", device="cpu") as h:
         have = {k[len(TEXT_PREFIX):]: k for k in h.keys() if k.startswith(TEXT_PREFIX)}
         if not have:
@@ -94,7 +94,7 @@ def load_word_encoder(encoder: nn.Module, path: str | Path, base_words: list[str
             shape = tuple(h.get_slice(have[name]).get_shape())
             want = tuple(p.shape)
             if name == "embed.weight":
-                if shape != (len(base_words) + 2, want[1]):
+                if shape[0] != len(base_words) + 2 or shape[1:] != want[1:]:
                     problems.append(f"{name}: {shape}, expected ({len(base_words) + 2}, {want[1]}) for "
                                     f"{len(base_words)} words of width {want[1]}")
             elif shape != want:
@@ -121,4 +121,5 @@ def load_word_encoder(encoder: nn.Module, path: str | Path, base_words: list[str
                 else:
                     local.copy_(h.get_slice(have[name])[lo:lo + n].to(local.dtype))
     kept = sum(1 for w in vocab[2:] if w in base_row)
-    return {"tensors": len(params), "words_kept": kept, "words_new": len(vocab) - 2 - kept}
+    return {"tensors": len(params), "words_kept": kept, "words_new": len(vocab) - 2 - kept,
+            "new_rows_trained_apart": getattr(encoder, "new_words", None) is not None}

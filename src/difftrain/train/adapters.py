@@ -62,6 +62,8 @@ def adapt(cfg: Config, model: nn.ModuleDict, spec: AdapterSpec | None) -> list[s
     names = apply_adapter(model["dit"], spec)
     if "text" in model:
         model["text"].requires_grad_(False)
+        if getattr(model["text"], "new_words", None) is not None:     # words the base never saw: trained
+            model["text"].new_words.requires_grad_(True)
     return names
 
 
@@ -165,8 +167,8 @@ def spec_of_checkpoint(info: dict) -> AdapterSpec:
 def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
     """Read an adapter run's frozen base into ``model`` (adapters injected, plain or sharded) from where the run
     read it: DPO's starting checkpoint or ``model.init_from``; refused, naming both, when
-    the base found there is not the one the adapters were trained on. Returns the adapters' tensors by name, for the
-    checkpoint's adapters to be read into."""
+    the base found there is not the one the adapters were trained on. Returns the adapters' tensors by name (and the
+    rows of words the adapter learnt, ``text.new_words``), for the checkpoint's EMA or raw values to be read into."""
     from difftrain.models.lora import base_name
     from difftrain.train.checkpoint import Checkpointer
 
@@ -198,10 +200,11 @@ def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
         check_same_base(saved, base_digest(cfg, run_dir, _is_main()), Path(info["path"]))
         from difftrain.parallel.pretrained import load_pretrained
         load_pretrained(dit, cfg.model.init_from, on_loaded=quantize)
-    rest = {k: v.detach() for k, v in model.named_parameters() if not k.startswith("dit.")}
+    trained = {k: v.detach() for k, v in model.named_parameters() if is_adapter(k) or k == "text.new_words"}
+    rest = {k: v.detach() for k, v in model.named_parameters() if not k.startswith("dit.") and k not in trained}
     if rest:                                 # a trained word encoder, frozen under the adapter: the checkpoint's
         Checkpointer.load_tensors(info["path"], "model", rest)
-    return {k: v.detach() for k, v in model.named_parameters() if is_adapter(k)}
+    return trained                           # the adapters and the words they learnt (EMA or raw, as asked)
 
 
 def _is_main() -> bool:

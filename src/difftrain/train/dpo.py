@@ -81,6 +81,11 @@ class PairsSource:
             raise UserError(f"{self.init_info['path']}: the checkpoint records no word vocabulary")
         return vocab
 
+    @property
+    def base_words(self) -> int:
+        """How many of the vocabulary's words the starting checkpoint's encoder holds in its base rows."""
+        return int(self.init_info.get("text_encoder", {}).get("base_words", 0))
+
     def preview_prompts(self, n: int) -> list[str] | None:
         return None
 

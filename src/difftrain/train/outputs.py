@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from difftrain.data.batch import Batch
 from difftrain.diffusion.pipeline import Pipeline
 from difftrain.parallel.compile import compile_count
@@ -168,6 +170,9 @@ class TrainerOutputs:
         named = dict(self.model.named_parameters())
         if self.ema is not None:                 # the EMA of what was trained (with an adapter: of the adapters)
             named.update(self.ema.state_dict())
+        new_words = named.pop("text.new_words", None)
+        if new_words is not None:                # a plain words encoder again: the new words' rows after the base's
+            named["text.embed.weight"] = torch.cat([_full(named["text.embed.weight"]), _full(new_words)])
         out, dtype = self.run_dir / "export", export_dtype(self.cfg, self.amp)
         if self.env.is_main:           # a words encoder's vocabulary: what model.init_from needs to carry it on
             from difftrain.parallel.words_init import write_vocabulary
@@ -196,6 +201,12 @@ class TrainerOutputs:
             return write_weights(base, self.cfg, out, self.env.is_main, transform=fold, dtype=dtype)
         path = write_weights({k: v for k, v in named.items() if is_adapter(k)}, self.cfg, out / "adapter",
                              self.env.is_main, dtype=dtype)
+        if new_words is not None:                # the words the adapter learnt travel with it
+            write_weights({"text.embed.weight": named["text.embed.weight"]}, self.cfg, out / "adapter" / "words",
+                          self.env.is_main, dtype=dtype)
+            if self.env.is_main:
+                from difftrain.parallel.words_init import write_vocabulary
+                write_vocabulary(self.text_encoder, out / "adapter" / "words")
         if not self.cfg.model.init_from and not self.quantized:     # the base, unless the user has it (or only
             path = write_weights(base, self.cfg, out, self.env.is_main, dtype=dtype)   # its quantized form is here)
         if self.env.is_main:

@@ -125,17 +125,21 @@ class Trainer(TrainerOutputs):
         ae = cfg.autoencoder
         self.autoencoder = build_autoencoder(ae.kind, ae.factor, ae.path, ae.scaling, ae.shift).to(self.device)
         vocab = info.get("text_encoder", {}).get("vocabulary") if info else None
+        split = int(info.get("text_encoder", {}).get("base_words", 0)) if info else 0
         self.base_words = None       # a words encoder carried from model.init_from: the base's words
         if vocab is None and cfg.text.kind == "words":
             vocab = source.vocabulary()
+            split = int(getattr(source, "base_words", 0))      # a DPO run's start: its checkpoint's split
             if cfg.model.init_from and not self.dpo_run:
                 from difftrain.parallel.words_init import base_vocabulary, extended
                 self.base_words = base_vocabulary(cfg.model.init_from)
                 if self.base_words is not None:          # its words keep their ids; the data's new ones follow
                     vocab = extended(self.base_words, vocab)
+                    split = len(self.base_words)
         # Frozen encoders are built where something first encodes with them: never while a store that holds
         # their states feeds training (previews, eval and candidates build them when they run).
-        self.text_encoder = build_text_encoder(cfg, vocab, self.device, lazy=True, on_build=self._encoders_built)
+        self.text_encoder = build_text_encoder(cfg, vocab, self.device, lazy=True, on_build=self._encoders_built,
+                                               base_words=split)
         self.model = self._build_model(found is None)
         self.dit = self.model["dit"]
         self.adapter_base = self._adapter_base() if self.adapter is not None else None
