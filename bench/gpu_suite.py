@@ -398,6 +398,55 @@ def adapter_runs(smoke: bool) -> dict:
     return out
 
 
+def finetune_paths(smoke: bool) -> dict:
+    """The fine-tuning paths on the device: a full fine-tune from an export (bf16 autocast) with ``[validation]``
+    (fixed noise drawn by CUDA generators), previews of base | now | EMA, and a masked batch moved to the device
+    (pinned, non-blocking: the loss mask travels with it); figures finite, the grids written."""
+    import tempfile
+
+    from difftrain.config import load_config, preset_path
+    from difftrain.train import build_trainer
+    from difftrain.train.objectives import Denoiser
+    from difftrain.train.validation import validation_loss
+
+    sets = ["train.threads=0", "train.checkpoint_every=0", "train.global_batch=4", "train.log_every=1",
+            "validation.every=2", "validation.n=4", "validation.timesteps=4", "train.sample_every=2",
+            "sample.steps=4", "model.init=default"]
+    if smoke:
+        sets += ["model.hidden=32", "model.heads=2", "model.axes_dims_rope=[4, 6, 6]", "text.dim=16",
+                 "data.image_size=32"]
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build_trainer(load_config(preset_path("shapes-tiny"), sets + ["train.steps=1"]), f"{tmp}/base")
+        base.export()
+        base.close()
+        tr = build_trainer(load_config(preset_path("shapes-tiny"), sets + [
+            "train.steps=4", f"model.init_from={tmp}/base/export"]), f"{tmp}/ft")
+        try:
+            tr.fit()
+            sync()
+            rows = [json.loads(x) for x in open(f"{tmp}/ft/metrics.jsonl") if '"val_loss"' in x]
+            grids = sorted(p.name for p in (tr.run_dir / "samples").glob("step_*.png"))
+            b = tr.val_batches[0]
+            keep = torch.ones_like(b.loss_mask_BL)
+            keep[:, ::2] = False
+            b.keep_BL = keep
+            if DEVICE.type == "cuda":
+                b = b.pin_memory()
+            moved = b.to(DEVICE, non_blocking=True)
+            den = Denoiser(tr.model, tr.text_encoder, tr.device, tr.amp, 1, 0, tr.cfg.text.padding)
+            tr.model.eval()
+            dev_loss = validation_loss(den, tr.val_batches, tr.flow, 4, 0)[0]
+            out["finetune"] = {
+                "val_rows": len(rows), "val_loss_finite": all(math.isfinite(r["val_loss"]) for r in rows),
+                "grids": grids, "base_preview": tr.base_preview is not None,
+                "mask_on_device": str(moved.keep_BL.device), "counted": int(moved.counted_BL.sum()),
+                "val_loss_device": round(dev_loss, 6)}
+        finally:
+            tr.close()
+    return out
+
+
 def _guarded(out: dict, key: str, fn, *args) -> None:
     """``out`` updated with ``fn(*args)``; a missing library or a refusal (float8 before sm89) is "not run", any
     other failure an error entry."""
@@ -460,7 +509,8 @@ def main() -> None:
     _guarded(out, "tuned_calls", tuned_calls, args.smoke)
     for key, fn, fargs in (("fp8_train", fp8_train, (bf16_run, args.batch, args.steps, args.warmup, args.smoke)),
                            ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
-                           ("fp8_encoder", fp8_encoder, (args.smoke,)), ("adapter", adapter_runs, (args.smoke,))):
+                           ("fp8_encoder", fp8_encoder, (args.smoke,)), ("adapter", adapter_runs, (args.smoke,)),
+                           ("finetune", finetune_paths, (args.smoke,))):
         if key == "fp8_train" and bf16_run is None:
             out["error_fp8_train"] = "no bf16 run to compare with"
             continue

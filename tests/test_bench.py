@@ -2,6 +2,7 @@
 machine runs it (where it compiles, uses bf16 and measures the allocator's peak)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
     assert result["blocking_save_resumes"], result
     assert result["tuned_calls"]["tuned"] > 0 and result["tuned_calls"]["fallback"] == 0, result
     assert result["tuned_calls_eager_count"] == result["tuned_calls"] and not result["tuned_shapes_missed"], result
+    ft = result["finetune"]          # validation loss, previews of base | now | EMA, a masked batch on the device
+    assert ft["val_rows"] == 2 and ft["val_loss_finite"] and ft["base_preview"], ft
+    assert ft["grids"] == ["step_00000002.png", "step_00000004.png"] and ft["mask_on_device"] == "cpu", ft
+    assert 0 < ft["counted"] and math.isfinite(ft["val_loss_device"]), ft
 
 
 def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):
