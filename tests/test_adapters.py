@@ -414,7 +414,7 @@ def test_previews_show_the_base_the_weights_and_their_ema_side_by_side(base, tmp
     assert list((tmp_path / "run" / "tb").glob("events.*"))
     tr.close()
     if adapter == "none":            # a restart of a full fine-tune shows the base it kept at step 0
-        assert (tmp_path / "run" / "samples" / "base_preview.pt").is_file()
+        assert (tmp_path / "run" / "samples" / "base_preview.npz").is_file()
         again = build_trainer(load_config(None, sets + ["train.steps=6", f"adapter.kind={adapter}"]), tmp_path / "run")
         assert again.step == 4
         rows = again._base_rows(4)

@@ -324,7 +324,8 @@ def test_memory_filesystem_for_folder_webdataset_and_manifest():
     ({"name": "s", "kind": "folder", "path": "x", "task": "edit"},
      r"data\.sources\['s'\]\.task: kind 'folder' cannot hold task 'edit'; expected t2i"),
     ({"name": "s", "kind": "manifest", "path": "x", "task": "video"}, r"\.task: unknown task 'video'"),
-    ({"kind": "folder", "path": "x"}, r"data\.sources: a source has no 'name'"),
+    # a name defaults to one path's last part (normalize_spec); a list of paths gives none
+    ({"kind": "manifest", "path": ["a.jsonl", "b.jsonl"]}, r"data\.sources: a source has no 'name'"),
 ])
 def test_bad_source_tables_are_user_errors(spec, pattern):
     with pytest.raises(UserError, match=pattern):

@@ -83,3 +83,18 @@ def test_the_store_holds_out_the_validation_source(tmp_path):
     cfg.validation.every, cfg.validation.source = 5, ""
     with pytest.raises(UserError, match="needs validation.source"):
         StoreLoader(cfg)
+
+
+def test_preview_rows_are_kept_without_pickle_and_a_damaged_file_costs_only_the_column(tmp_path):
+    from difftrain.train.outputs import _load_rows, _save_rows
+
+    rows = [([np.full((4, 4, 3), 7, np.uint8)], "a red circle"),
+            ([np.zeros((4, 4, 3), np.uint8), np.ones((4, 4, 3), np.uint8)], "make it blue")]
+    _save_rows(rows, tmp_path / "p.npz")
+    back = _load_rows(tmp_path / "p.npz")
+    assert [p for _, p in back] == ["a red circle", "make it blue"] and [len(i) for i, _ in back] == [1, 2]
+    assert all((a == b).all() for (x, _), (y, _) in zip(rows, back) for a, b in zip(x, y))
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04 not a zip")
+    assert _load_rows(tmp_path / "bad.npz") is None
+    (tmp_path / "pickle.npz").write_bytes(b"\x80\x04\x95")
+    assert _load_rows(tmp_path / "pickle.npz") is None

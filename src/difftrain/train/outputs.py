@@ -249,12 +249,12 @@ class TrainerOutputs:
     def _base_rows(self, n: int) -> list | None:
         """The base model's preview rows, rendered once: an adapter run's base is its model with the adapters
         disabled; a full fine-tune's (``model.init_from``) is its weights at step 0, rendered then and kept in
-        ``RUN/samples/base_preview.pt`` for later steps and restarts. None for a run from scratch."""
+        ``RUN/samples/base_preview.npz`` for later steps and restarts. None for a run from scratch."""
         from difftrain.evaluate import preview_rows
 
         if self.base_preview is not None:
             return self.base_preview
-        keep = self.run_dir / "samples" / "base_preview.pt"
+        keep = self.run_dir / "samples" / "base_preview.npz"
         if self.adapter is not None:
             from difftrain.models.lora import adapters_disabled
             with cp_disabled(self.model), adapters_disabled(self.model["dit"]):
@@ -265,12 +265,9 @@ class TrainerOutputs:
                 self.model.eval()
                 self.base_preview = preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)
             if self.env.is_main:
-                import torch
-                keep.parent.mkdir(parents=True, exist_ok=True)
-                torch.save([([im.copy() for im in imgs], p) for imgs, p in self.base_preview], keep)
+                _save_rows(self.base_preview, keep)
         elif self.cfg.model.init_from and keep.is_file():
-            import torch
-            self.base_preview = torch.load(keep, weights_only=False)
+            self.base_preview = _load_rows(keep)
         return self.base_preview
 
     def _base_preview_at_start(self) -> None:
@@ -280,6 +277,34 @@ class TrainerOutputs:
             if self.preview_prompts is None:
                 self.preview_prompts = self.source.preview_prompts(12) or []
             self._base_rows(4)
+
+
+def _save_rows(rows: list, path: Path) -> None:
+    """Preview rows as an .npz of uint8 images and a JSON of prompts and image counts (no pickle)."""
+    import json
+
+    import numpy as np
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {f"r{i}_{j}": np.asarray(im, dtype=np.uint8) for i, (imgs, _) in enumerate(rows) for j, im in enumerate(imgs)}
+    meta = json.dumps([[len(imgs), p] for imgs, p in rows])
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, meta=np.frombuffer(meta.encode(), dtype=np.uint8), **arrays)
+    tmp.replace(path)
+
+
+def _load_rows(path: Path) -> list | None:
+    """``_save_rows``'s rows; None (logged) for a file that is not one, so a damaged file costs only the column."""
+    import json
+    import zipfile
+
+    import numpy as np
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            return [([z[f"r{i}_{j}"] for j in range(int(n))], str(p)) for i, (n, p) in enumerate(meta)]
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        log.warning("%s: not a preview file (%s); the base column is left out", path, e)
+        return None
 
 
 def _full(t):
