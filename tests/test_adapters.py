@@ -508,3 +508,21 @@ def test_an_adapter_learns_a_word_its_base_never_saw_in_a_row_of_its_own(base, t
     ema = load_file(str(exp / "adapter" / "words" / "model.safetensors"))["text.embed.weight"][-1]
     got = pipe.text_encoder.new_words.detach()[0]
     assert torch.allclose(got, ema.to(got.dtype))                         # the EMA the export holds
+    # --adapter on the lean base reads the word from the adapter's export folder; on another base it is refused
+    from difftrain.models.text import WordTextEncoder
+    from difftrain.parallel.words_init import adapter_words, load_word_encoder, with_adapter_words
+    lean_words = words[:drop] + words[drop + 1:]
+    enc = WordTextEncoder(lean_words, 16, 16, 1)
+    load_word_encoder(enc, lean, lean_words)
+    found = adapter_words(exp / "adapter")
+    assert found is not None and found[0][-1] == "red"
+    withred = with_adapter_words(enc, exp / "adapter", *found)
+    assert withred.tokenize(["red"])["ids"][0, 0] == len(lean_words) + 2
+    assert torch.equal(withred.embed.weight[-1], merged[-1].to(withred.embed.weight.dtype))
+    assert torch.equal(withred.layers[0].linear1.weight, enc.layers[0].linear1.weight)
+    full = WordTextEncoder(words, 16, 16, 1)                          # the base that knew 'red' at another id
+    with pytest.raises(UserError, match="do not start with this model's"):
+        with_adapter_words(full, exp / "adapter", *found)
+    (exp / "adapter" / "words" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UserError, match="not a readable words folder"):
+        adapter_words(exp / "adapter")

@@ -98,6 +98,14 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     if adapters:
         from difftrain.adapter_export import fold_adapters
         info = {**info, "adapters": fold_adapters(model["dit"], list(adapters), "ema" if use_ema else "raw")}
+        if cfg.text.kind == "words":             # words an adapter learnt (export/adapter/words/) join the vocabulary
+            from difftrain.parallel.words_init import adapter_words, with_adapter_words
+            for path, _ in adapters:
+                found = adapter_words(path)
+                if found is not None:
+                    text = with_adapter_words(text, path, *found)
+                    if "text" in model:
+                        model["text"] = text
     amp = amp_dtype(cfg.train.precision, device)
     if quant:
         from difftrain.models.quant import quantize_dit

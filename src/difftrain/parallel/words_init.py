@@ -123,3 +123,43 @@ def load_word_encoder(encoder: nn.Module, path: str | Path, base_words: list[str
     kept = sum(1 for w in vocab[2:] if w in base_row)
     return {"tensors": len(params), "words_kept": kept, "words_new": len(vocab) - 2 - kept,
             "new_rows_trained_apart": getattr(encoder, "new_words", None) is not None}
+
+
+def adapter_words(path: str | Path) -> tuple[list[str], torch.Tensor] | None:
+    """The words an adapter learnt, from its export folder (``export/adapter/words/``: the merged embedding and its
+    vocabulary); None when it learnt none."""
+    from safetensors.torch import load_file
+
+    from difftrain.parallel.pretrained import EXPORT_WEIGHTS
+
+    d = Path(path) / "words"
+    if not (d / VOCABULARY).is_file():
+        return None
+    words = base_vocabulary(d)
+    try:
+        emb = load_file(str(d / EXPORT_WEIGHTS))["text.embed.weight"]
+    except Exception as e:  # noqa: BLE001 -- safetensors and key errors alike: the folder is unreadable
+        raise UserError(f"--adapter {d}: not a readable words folder ({type(e).__name__}: {e})") from None
+    if emb.ndim != 2 or emb.shape[0] != len(words) + 2 or not bool(torch.isfinite(emb).all()):
+        raise UserError(f"--adapter {d}: its embedding {list(emb.shape)} does not hold {len(words) + 2} finite rows "
+                        f"for its {len(words)} words")
+    return words, emb
+
+
+def with_adapter_words(encoder: nn.Module, path: str | Path, words: list[str], emb: torch.Tensor) -> nn.Module:
+    """A words encoder like ``encoder`` (the base's) whose vocabulary is ``words`` (the base's words first, then those
+    the adapter learnt) and whose embedding is ``emb``; every other tensor the base's. Refused when the adapter's
+    words do not start with the base's (an adapter trained on another base)."""
+    from difftrain.models.text import WordTextEncoder
+
+    have = encoder.vocabulary[2:]
+    if words[: len(have)] != have:
+        raise UserError(f"--adapter {path}: its words do not start with this model's {len(have)} words (an adapter "
+                        "trained on another base?)")
+    if emb.shape[1] != encoder.dim:
+        raise UserError(f"--adapter {path}: its word vectors are {emb.shape[1]} wide, this model's {encoder.dim}")
+    new = WordTextEncoder(words, encoder.max_tokens, encoder.dim, len(encoder.layers), padding=encoder.padding)
+    state = {k: v for k, v in encoder.state_dict().items() if not k.startswith(("embed.", "new_words"))}
+    state["embed.weight"] = emb
+    new.load_state_dict(state)
+    return new.to(next(encoder.parameters()).device).eval().requires_grad_(False)
