@@ -459,15 +459,8 @@ def test_a_word_encoder_trained_with_the_base_is_carried_by_word(base, tmp_path)
         load_word_encoder(WordTextEncoder(words, 16, 24, 1), base, words)
 
 
-def test_an_adapter_learns_a_word_its_base_never_saw_in_a_row_of_its_own(base, tmp_path):
-    """A base that never saw a word the data uses: the adapter run gives it a row of its own (``text.new_words``),
-    trained with the adapters while every base row and the DiT's base stay as they were; the checkpoint holds it, a
-    resume rebuilds the split, and the export carries the word (merged embedding, vocabulary.json, and beside the
-    adapter)."""
-    from difftrain.train import build_trainer
-
-    # a base without the word 'red': its row and its vocabulary entry removed
-    lean = tmp_path / "lean"
+def _lean_base(base: Path, lean: Path) -> tuple[Path, list[str], int]:
+    """A copy of the base export that never saw the word 'red': its row and its vocabulary entry removed."""
     lean.mkdir()
     words = json.loads((base / "vocabulary.json").read_text())
     drop = words.index("red")
@@ -477,6 +470,33 @@ def test_an_adapter_learns_a_word_its_base_never_saw_in_a_row_of_its_own(base, t
     save_file(tensors, str(lean / "model.safetensors"), metadata={"format": "difftrain-weights/1"})
     shutil.copy(base / "config.toml", lean / "config.toml")
     (lean / "vocabulary.json").write_text(json.dumps(words[:drop] + words[drop + 1:]))
+    return lean, words, drop
+
+
+def test_new_words_on_two_fsdp_ranks_are_one_rank(base, tmp_path):
+    """The text module holds frozen base rows and a trained new row: sharded by FSDP2 on 2 gloo ranks, the run is
+    the 1-rank run (losses, and the learnt row in the adapter's export)."""
+    lean, _, _ = _lean_base(base, tmp_path / "lean")
+    cfg = _config(tmp_path / "w.toml", lean, "adapter.kind=lora", "train.steps=4", "train.lr=3e-2")
+    _train(cfg, tmp_path / "two", 2)
+    _train(cfg, tmp_path / "one", 1)
+    losses = {r: [m["loss"] for m in read_metrics(tmp_path / r) if "loss" in m] for r in ("two", "one")}
+    assert len(losses["one"]) == 4 and losses["one"] == pytest.approx(losses["two"], rel=1e-4)
+    rows = {r: load_file(str(tmp_path / r / "export" / "adapter" / "words" / "model.safetensors"))["text.embed.weight"]
+            for r in ("two", "one")}
+    assert torch.allclose(rows["two"], rows["one"], atol=1e-5)
+    lean_rows = load_file(str(lean / "model.safetensors"))["text.embed.weight"]
+    assert torch.equal(rows["two"][:-1], lean_rows.to(rows["two"].dtype))          # the base's rows, untouched
+
+
+def test_an_adapter_learns_a_word_its_base_never_saw_in_a_row_of_its_own(base, tmp_path):
+    """A base that never saw a word the data uses: the adapter run gives it a row of its own (``text.new_words``),
+    trained with the adapters while every base row and the DiT's base stay as they were; the checkpoint holds it, a
+    resume rebuilds the split, and the export carries the word (merged embedding, vocabulary.json, and beside the
+    adapter)."""
+    from difftrain.train import build_trainer
+
+    lean, words, drop = _lean_base(base, tmp_path / "lean")
     sets = RUN + ADAPTED[:2] + [f"model.init_from={lean}", "adapter.kind=lora", "train.steps=3",
                                 "train.checkpoint_every=3", "train.lr=3e-2"]
     tr = build_trainer(load_config(None, sets), tmp_path / "run")
