@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from difftrain.shapes.world import (
-    COLORS, POSITIONS, SHAPES, SIZES, EditSpec, MotionSpec, ShapeSpec, apply_edit, instruction_for,
+    ALL_COLORS, COLORS, POSITIONS, SHAPES, SIZES, EditSpec, MotionSpec, ShapeSpec, apply_edit, instruction_for,
 )
 
 
@@ -45,7 +45,7 @@ def _normalise(text: str) -> str:
 
 
 _ALT = lambda names: "|".join(sorted(names, key=len, reverse=True))  # noqa: E731 (longest first)
-_SHAPE, _COLOR, _SIZE, _POS = f"({_ALT(SHAPES)})", f"({_ALT(COLORS)})", f"({_ALT(SIZES)})", f"({_ALT(POSITIONS)})"
+_SHAPE, _COLOR, _SIZE, _POS = f"({_ALT(SHAPES)})", f"({_ALT(ALL_COLORS)})", f"({_ALT(SIZES)})", f"({_ALT(POSITIONS)})"
 _CAPTION_RE = re.compile(rf"an? {_SIZE} {_COLOR} {_SHAPE} in the {_POS}")
 _MOTION_RE = re.compile(rf"an? {_SIZE} {_COLOR} {_SHAPE} moving from the {_POS} to the {_POS}")
 _COLOR_EDIT_RE = re.compile(rf"make the {_SHAPE} {_COLOR}")

@@ -44,12 +44,14 @@ from typing import Any
 import numpy as np
 
 from difftrain.shapes.world import (
-    COLORS, SHAPE_FILL, SHAPES, SIZE_EXTENT, EditSpec, MotionSpec, ShapeSpec, coverage,
+    ALL_COLORS, SHAPE_FILL, SHAPES, SIZE_EXTENT, EditSpec, MotionSpec, ShapeSpec, coverage,
 )
 from difftrain.shapes.captions import parse_caption
 
-_PALETTE_NAMES = tuple(COLORS)
-_PALETTE = np.asarray([COLORS[c] for c in _PALETTE_NAMES], dtype=np.float32)
+# Every colour the world can draw, the fine-tuning concept's included: a model asked for a colour it never learnt is
+# read as whatever it drew.
+_PALETTE_NAMES = tuple(ALL_COLORS)
+_PALETTE = np.asarray([ALL_COLORS[c] for c in _PALETTE_NAMES], dtype=np.float32)
 # Small/large decision at the geometric mean of the two extents (0.6 of a cell).
 _SIZE_SPLIT = float(np.sqrt(SIZE_EXTENT["small"] * SIZE_EXTENT["large"]))
 _ONES3 = np.ones(3, dtype=np.float32)
@@ -405,7 +407,7 @@ def _ghost_opacity(diff: np.ndarray, bg: np.ndarray, core_rgb: np.ndarray, shape
     """
     h, w, _ = diff.shape
     side = min(h, w)
-    c_s = np.asarray(COLORS[source.color], dtype=np.float32)
+    c_s = np.asarray(ALL_COLORS[source.color], dtype=np.float32)
     c_t = _target_color(core_rgb, c_s)
     sx, sy = source.center(side)
     s_ext = SIZE_EXTENT[source.size] * side / 3.0

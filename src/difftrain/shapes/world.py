@@ -43,6 +43,11 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "purple": (150, 60, 200),
     "cyan": (40, 200, 210),
 }
+# Colours the world can draw and the evaluator reads, but that no split of the world ever samples: the concept a
+# fine-tune teaches a model trained on COLORS (``shapes.concept``). White is ~140 or more from every grey in BG_RANGE
+# and ~195 or more from every colour of COLORS, so reading it is as unambiguous as reading them.
+NEW_COLORS: dict[str, tuple[int, int, int]] = {"white": (235, 235, 235)}
+ALL_COLORS: dict[str, tuple[int, int, int]] = {**COLORS, **NEW_COLORS}
 ROWS: tuple[str, ...] = ("top", "middle", "bottom")
 COLS: tuple[str, ...] = ("left", "center", "right")
 SIZES: tuple[str, ...] = ("small", "large")
@@ -95,7 +100,10 @@ _HELDOUT_BASE: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2
 
 
 def is_heldout(color: str, shape: str, row: int, col: int) -> bool:
-    """Whether the (colour, shape, cell) combination is reserved for the held-out split."""
+    """Whether the (colour, shape, cell) combination is reserved for the held-out split (never for a NEW_COLORS
+    colour, which no split samples)."""
+    if color not in COLORS:
+        return False
     r, k = _HELDOUT_BASE[tuple(COLORS).index(color)]
     s = SHAPES.index(shape)
     return (int(row), int(col)) == ((r + s) % 3, (k - s) % 3)
@@ -177,7 +185,7 @@ def render_at(
     shape: str, color: str, size_name: str, cx: float, cy: float, bg: int, image_size: int = 48
 ) -> np.ndarray:
     """Render one shape centred at pixel coordinates (cx, cy); returns (H, W, 3) uint8."""
-    _check(color, COLORS, "color")
+    _check(color, ALL_COLORS, "color")
     _check(size_name, SIZES, "size")
     image = np.full((image_size, image_size, 3), bg, dtype=np.uint8)
     extent = SIZE_EXTENT[size_name] * image_size / 3.0
@@ -188,7 +196,7 @@ def render_at(
     if x1 <= x0 or y1 <= y0:
         return image  # entirely off-canvas
     alpha = coverage(shape, cx, cy, extent, (x0, y0, x1 - x0, y1 - y0))[:, :, None]
-    fg = np.asarray(COLORS[color], dtype=np.float32)
+    fg = np.asarray(ALL_COLORS[color], dtype=np.float32)
     patch = np.float32(bg) + (fg - np.float32(bg)) * alpha
     image[y0:y1, x0:x1] = np.rint(patch).astype(np.uint8)
     return image
@@ -212,7 +220,7 @@ class ShapeSpec:
 
     def __post_init__(self) -> None:
         _check(self.shape, SHAPES, "shape")
-        _check(self.color, COLORS, "color")
+        _check(self.color, ALL_COLORS, "color")
         _check(self.size, SIZES, "size")
         if not (0 <= self.row < 3 and 0 <= self.col < 3):
             raise ValueError(f"grid cell ({self.row}, {self.col}) is outside the 3x3 grid")
