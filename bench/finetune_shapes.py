@@ -7,7 +7,10 @@ its words encoder has no row for the word, which the fine-tune adds. ``--example
 fine-tuned on it by every method (``--steps`` each, batch 32, from the base's export):
 
 - ``lora`` (rank 16), ``lokr``, ``full`` (every DiT weight), ``lora_fp8`` and ``lora_nf4`` (LoRA on a base held in
-  fp8 / nf4, torchao weight-only);
+  fp8 / nf4, torchao weight-only; ``quantized_max_drop_vs_lora_pp``: their largest drop against ``lora``);
+- with prior preservation (as DreamBooth; ``--prior`` samples of the base per task, written as text-to-image, edit
+  and keyframe folders and mixed into the store), without which a fine-tune on the concept alone forgets colours
+  and keyframes (``*_concept_only``: the same LoRA on the concept's folder alone);
 - each judged against the base on the same prompts and noise: ``new_concept_acc`` (the colour read on ``--n`` white
   prompts, each shape, cell and size; ``new_concept_ok``: all four attributes) and the demo's five old accuracies
   (t2i colour, position, shape, edits, keyframes; seen and held-out combinations; ``--n`` each), their largest drop
@@ -51,6 +54,7 @@ CLEAN_AT = 0.05            # a model's backgrounds are clean when the detector f
 LEARNT_AT = 0.5            # ... and the unmasked run must exceed this, or the detector is not shown to see the stripe
 NEW_CONCEPT_TARGET = 0.85
 OLD_DROP_TARGET_PP = 3.0
+QUANTIZED_COST_TARGET_PP = 5.0   # LoRA on an fp8 / nf4 base against LoRA on the unquantized one
 ADAPTERS = {
     "lora": {"kind": "lora", "rank": 16, "alpha": 16.0},
     "lokr": {"kind": "lokr", "rank": 16, "alpha": 16.0},
@@ -256,6 +260,21 @@ def max_drop_pp(base: dict, model: dict) -> float:
     return round(max(100.0 * (base[k] - model[k]) for k in base), 2)
 
 
+def quantized_cost(out: dict) -> dict:
+    """What a quantized base costs against LoRA on the unquantized one (the same fine-tune, the same prompts and
+    noise): the largest drop in points over the new concept's accuracy and the ten old ones, per base precision."""
+    if "lora" not in out["new_concept_acc"]:
+        return {}
+    ref = {"new_concept_acc": out["new_concept_acc"]["lora"], **out["old_acc"]["lora"]}
+    cost = {}
+    for m in ("lora_fp8", "lora_nf4"):
+        if m in out["new_concept_acc"]:
+            got = {"new_concept_acc": out["new_concept_acc"][m], **out["old_acc"][m]}
+            cost[m] = round(max(100.0 * (ref[k] - got[k]) for k in ref), 2)
+    return {"quantized_max_drop_vs_lora_pp": cost,
+            "quantized_within_5pp": {m: v <= QUANTIZED_COST_TARGET_PP for m, v in cost.items()}} if cost else {}
+
+
 def diffusers_max_abs_diff() -> float | None:
     """Our adapted tiny FLUX against diffusers' with the exported adapter loaded (LoRA and LoKr), the largest
     |difference| of the outputs; None when diffusers is not installed."""
@@ -304,8 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "difftrain" / "finetune_shapes"))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3, help="adapter runs")
-    ap.add_argument("--lr-full", type=float, default=2e-4, help="the full fine-tune")
+    ap.add_argument("--lr", type=float, default=1e-3, help="adapter runs")
+    ap.add_argument("--lr-full", type=float, default=1e-4, help="the full fine-tune")
     ap.add_argument("--examples", type=int, default=300, help="images in the user's folder")
     ap.add_argument("--n", type=int, default=256, help="prompts per accuracy (paired: the same for every model)")
     ap.add_argument("--n-track", type=int, default=64, help="concept prompts at each point of the LoRA run")
@@ -401,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
         out["targets_met_lora"] = (out["new_concept_acc"]["lora"] >= NEW_CONCEPT_TARGET
                                    and out["old_acc_max_drop_pp"]["lora"] <= OLD_DROP_TARGET_PP)
     out["old_within_3pp"] = {m: out["old_acc_max_drop_pp"][m] <= OLD_DROP_TARGET_PP for m in done}
+    out.update(quantized_cost(out))
     if not args.no_masked:
         rates = {k: judged[k]["concept"]["stripe_rate"] for k in ("base", "masked", "unmasked")}
         out.update({"stripe_rate_base": rates["base"], "stripe_rate_masked": rates["masked"],

@@ -73,3 +73,13 @@ def test_the_bench_runs_end_to_end_on_a_tiny_base(base_run, tmp_path, capsys, ra
     assert len(list((tmp_path / "prior" / "t2i").glob("*.png"))) == 3
     assert len(list((tmp_path / "prior" / "edit").iterdir())) == 3
     assert len(list((tmp_path / "concept_stripe").glob("*_mask.png"))) == 16
+
+
+def test_a_quantized_base_is_charged_its_largest_drop_against_lora():
+    out = {"new_concept_acc": {"lora": 0.90, "lora_fp8": 0.88, "lora_nf4": 0.80},
+           "old_acc": {"lora": {"a": 0.50, "b": 0.60}, "lora_fp8": {"a": 0.45, "b": 0.70},
+                       "lora_nf4": {"a": 0.50, "b": 0.60}}}
+    cost = bench.quantized_cost(out)
+    assert cost["quantized_max_drop_vs_lora_pp"] == {"lora_fp8": 5.0, "lora_nf4": 10.0}
+    assert cost["quantized_within_5pp"] == {"lora_fp8": True, "lora_nf4": False}
+    assert bench.quantized_cost({"new_concept_acc": {"full": 1.0}, "old_acc": {}}) == {}
