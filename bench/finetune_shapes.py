@@ -136,9 +136,13 @@ def write_config(path: Path, base: Path, store: Path, sources: list[dict], adapt
 
 def prepare(cfg_path: Path) -> None:
     """``difftrain prepare`` in this process: one local Ray for every store of the run (started by the first)."""
+    import contextlib
+
     from difftrain.cli import main as cli
 
-    if cli(["prepare", str(cfg_path), "--no-progress"]):
+    with contextlib.redirect_stdout(sys.stderr):     # its summary line: stdout stays this bench's JSON
+        code = cli(["prepare", str(cfg_path), "--no-progress"])
+    if code:
         sys.exit(f"prepare {cfg_path} failed (its error is above)")
 
 
