@@ -45,7 +45,7 @@ def test_sqlite_is_migrated_by_alembic_with_wal_and_full_sync(tmp_path):
     url = str(tmp_path / "rate.db")
     upgrade(url)
     db = Database(url)
-    assert current_revision(db.engine) == head_revision() == "0003"
+    assert current_revision(db.engine) == head_revision() == "0004"
     with db.engine.connect() as c:
         assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert c.exec_driver_sql("PRAGMA synchronous").scalar() == 2           # FULL

@@ -8,7 +8,9 @@ to 2R slots an item (``SLOTS_PER_R``: an item every rater skips is given up, not
 row takes the lowest free slot: two servers racing for the last slot of an item cannot both take it (unique
 (item, slot)), and one rater cannot take an item twice (unique (item, rater)); the loser of a race tries the next
 item. An assignment left unanswered for the TTL (``serve --assignment-ttl``, ``ASSIGNMENT_TTL`` by default) is
-refused when answered (409) and released for others.
+refused when answered (409) and released for others. In a batch with adaptive stopping (``stopping``), R is the
+most an item gets: once its counting answers settle it, it is served no more (each answer, undo and change of a
+rater's flag settles its items again).
 
 ``answer``: committed before the response (and so before the next item is served); an idempotency key makes a
 retried post count once: the same key for the same (rater, assignment) returns the first outcome, the same key
@@ -80,15 +82,15 @@ def _served(s, a: Assignment, rater: int) -> Served:
 
 
 def _choose(s, seen):
-    """The open batch's ordinary item with the most counting assignments that still needs one and has a free
-    slot, that the rater has not seen: (item, counting) or None. Decided on the statement's snapshot."""
+    """The open batch's ordinary item with the most counting assignments that still needs one (not settled) and has
+    a free slot, that the rater has not seen: (item, counting) or None. Decided on the statement's snapshot."""
     taken = (select(func.count()).select_from(Assignment).where(Assignment.item_id == Item.id)
              .correlate(Item).scalar_subquery())
     counting = (select(func.count()).select_from(Assignment)
                 .where(Assignment.item_id == Item.id, Assignment.counts.is_(True))
                 .correlate(Item).scalar_subquery())
     return s.execute(select(Item, counting).join(RatingBatch, RatingBatch.id == Item.batch_id)
-                     .where(RatingBatch.status == "open", Item.gold.is_(None), ~seen,
+                     .where(RatingBatch.status == "open", Item.gold.is_(None), ~seen, Item.settled.is_(False),
                             counting < RatingBatch.raters, taken < SLOTS_PER_R * RatingBatch.raters)
                      .order_by(counting.desc(), Item.batch_id, Item.seq).limit(1)
                      # PostgreSQL: the chosen item's row stays locked to this transaction and the others skip
@@ -192,6 +194,8 @@ def answer(db: Database, rater: int, assignment: int, key: str, order: list, out
                 s.flush()
                 if s.get(Item, a.item_id).gold is not None:
                     _update_flag(s, rater)
+                else:
+                    _settle(s, a.item_id)
                 return {"answer": ans.id, "repeat": False}
     except IntegrityError:
         with db.read() as s:        # the same key posted twice at once: the first one won
@@ -222,6 +226,27 @@ def _update_flag(s, rater: int) -> None:
     skipped = select(Answer.assignment_id).where(Answer.rater_id == rater, Answer.outcome == "skip")
     s.execute(update(Assignment).where(Assignment.rater_id == rater, Assignment.id.not_in(skipped))
               .values(counts=not flag))
+    adaptive = (select(Answer.item_id).join(Item, Item.id == Answer.item_id)
+                .join(RatingBatch, RatingBatch.id == Item.batch_id)
+                .where(Answer.rater_id == rater, Item.gold.is_(None), RatingBatch.stop_confidence.is_not(None)))
+    for item_id in s.scalars(adaptive).all():       # their answers count (or stop counting): settled again
+        _settle(s, item_id)
+
+
+def _settle(s, item_id: str) -> None:
+    """Whether the item's counting answers settle it (a batch with adaptive stopping; ``stopping.settled``). The
+    item's row is locked first (PostgreSQL): two answers to one item settle it one after the other, the second
+    reading the first's answer."""
+    from difftrain_rate.stopping import settled
+
+    item = s.scalar(select(Item).where(Item.id == item_id).with_for_update())
+    batch = s.get(RatingBatch, item.batch_id)
+    if item.gold is not None or batch.stop_confidence is None:
+        return
+    rows = s.execute(select(Answer.order, Answer.outcome).join(Assignment, Assignment.id == Answer.assignment_id)
+                     .where(Answer.item_id == item_id, Assignment.counts.is_(True))).all()
+    item.settled = settled([(r.order, r.outcome) for r in rows], [v[0] for v in item.images], batch.min_raters or 1,
+                           batch.stop_confidence)
 
 
 def undo(db: Database, rater: int) -> str | None:
@@ -242,4 +267,6 @@ def undo(db: Database, rater: int) -> str | None:
                                            Assignment.id != a.id))
         a.answered = False
         a.created_at = now()
+        if not gold:
+            _settle(s, a.item_id)
         return a.item_id

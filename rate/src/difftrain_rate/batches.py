@@ -212,9 +212,14 @@ def _read_gold(path: str | Path | None, prompts: dict[str, list[dict]]) -> dict[
 
 def import_batch(db: Database, name: str, folders: list[str], kind: str = "ranking", raters: int = 3,
                  gold_rate: float = 0.0, gold: str | None = None, questions: list[str] | None = None,
-                 seed: int | None = None) -> dict:
-    """Import one folder (ranking or pairwise) or two (a comparison); returns what was made."""
+                 seed: int | None = None, min_raters: int | None = None,
+                 stop_confidence: float | None = None) -> dict:
+    """Import one folder (ranking or pairwise) or two (a comparison); returns what was made. With
+    ``stop_confidence``, ``raters`` is the most an item gets and it stops at ``min_raters`` or more once its answers
+    settle it (``stopping``)."""
     import random
+
+    from difftrain_rate.stopping import check_settings
 
     if kind not in ("ranking", "pairwise"):
         raise RateError(f"--kind {kind!r}: expected 'ranking' or 'pairwise'")
@@ -224,6 +229,7 @@ def import_batch(db: Database, name: str, folders: list[str], kind: str = "ranki
         raise RateError(f"--raters {raters}: expected >= 1")
     if not 0.0 <= gold_rate < 1.0:
         raise RateError(f"--gold-rate {gold_rate}: expected a share in [0, 1)")
+    min_raters, stop_confidence = check_settings(raters, min_raters, stop_confidence)
     questions = list(questions or ["overall"])
     bad = [q for q in questions if q not in QUESTIONS]
     if bad or questions[0] != "overall":
@@ -249,7 +255,8 @@ def import_batch(db: Database, name: str, folders: list[str], kind: str = "ranki
             raise RateError(f"a batch named {name!r} exists")
         models = [{k: m.get(k) for k in ("checkpoint", "step", "digest")} for m, _ in read]
         batch = RatingBatch(name=name, kind=kind, folders=[str(Path(f).resolve()) for f in folders], models=models,
-                            raters=raters, gold_rate=gold_rate, questions=questions, status="open")
+                            raters=raters, gold_rate=gold_rate, questions=questions, status="open",
+                            min_raters=min_raters, stop_confidence=stop_confidence)
         s.add(batch)
         s.flush()
 
@@ -298,4 +305,5 @@ def import_batch(db: Database, name: str, folders: list[str], kind: str = "ranki
         s.add_all(items)
         n_gold = sum(1 for i in items if i.gold is not None)
         return {"batch": name, "id": batch.id, "kind": kind, "items": len(items) - n_gold, "gold_items": n_gold,
-                "raters": raters}
+                "raters": raters, **({"min_raters": min_raters, "stop_confidence": stop_confidence}
+                                     if stop_confidence is not None else {})}

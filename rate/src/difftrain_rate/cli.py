@@ -6,6 +6,7 @@
     difftrain-rate user disable NAME | user enable NAME | user token NAME | user unlock NAME
     difftrain-rate import --db URL --name NAME FOLDER [FOLDER_B] [--kind ranking|pairwise] [--raters R]
                           [--gold FILE --gold-rate F] [--questions overall aesthetics prompt_fit]
+                          [--stop-confidence C [--min-raters M]]
     difftrain-rate export --db URL --out rankings.jsonl [--batch NAME] [--include-flagged]
     difftrain-rate answers --db URL --out answers.csv|answers.parquet
     difftrain-rate figures --db URL
@@ -13,7 +14,7 @@
 
 URL: a SQLite file path (the default kind) or postgresql://user:pass@host/db. ``serve --batches DIR`` imports each
 candidates folder under DIR not imported yet (settings from its ``batch.json``, if any: kind, raters, gold,
-gold_rate, questions, compare_with) before it starts; every file it names stays inside DIR. ``serve`` trusts no
+gold_rate, questions, compare_with, min_raters, stop_confidence) before it starts; every file it names stays inside DIR. ``serve`` trusts no
 proxy's ``X-Forwarded-*`` headers unless ``--forwarded-allow-ips`` names it. Its worker processes end with it, even
 when it is killed with SIGKILL (each asks the kernel for a signal when its parent dies).
 """
@@ -76,7 +77,7 @@ def import_folders(db, root: str) -> list[dict]:
 
 
 BATCH_KEYS = {"kind": str, "raters": int, "gold": str, "gold_rate": (int, float), "questions": list,
-              "compare_with": str}
+              "compare_with": str, "min_raters": int, "stop_confidence": (int, float)}
 
 
 def _batch_settings(d: Path, root: Path) -> dict:
@@ -109,7 +110,7 @@ def _batch_settings(d: Path, root: Path) -> dict:
         out["folders"].append(str(other))
     if "gold" in settings:
         out["gold"] = str(confined(d.resolve(), settings["gold"], where, "gold"))
-    for key in ("kind", "raters", "gold_rate", "questions"):
+    for key in ("kind", "raters", "gold_rate", "questions", "min_raters", "stop_confidence"):
         if key in settings:
             out[key] = settings[key]
     return out
@@ -174,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gold")
     p.add_argument("--gold-rate", type=float, default=0.0)
     p.add_argument("--questions", nargs="+", default=["overall"])
+    p.add_argument("--stop-confidence", type=float, default=None,
+                   help="adaptive stopping: an item stops once its answers settle every pair at this confidence "
+                        "(--raters is then the most it gets)")
+    p.add_argument("--min-raters", type=int, default=None, help="with --stop-confidence: the least (default 2)")
 
     p = with_db(sub.add_parser("export", help="answers as rankings JSONL (difftrain pairs' input)"))
     p.add_argument("--out", required=True)
@@ -214,7 +219,8 @@ def run(argv: list[str] | None = None) -> None:
         from difftrain_rate.batches import import_batch
 
         print(json.dumps(import_batch(db, args.name, args.folders, args.kind, args.raters, args.gold_rate, args.gold,
-                                      args.questions)))
+                                      args.questions, min_raters=args.min_raters,
+                                      stop_confidence=args.stop_confidence)))
     elif args.cmd == "export":
         from difftrain_rate.export import write_rankings
 

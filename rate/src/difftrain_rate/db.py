@@ -92,7 +92,11 @@ class RatingBatch(Base):
     kind: Mapped[str] = mapped_column(String(16))                       # pairwise | ranking
     folders: Mapped[list] = mapped_column(JSON)                          # candidates folders (2: a comparison)
     models: Mapped[list] = mapped_column(JSON)                           # the folders' checkpoints (hidden)
-    raters: Mapped[int] = mapped_column(Integer)                         # R: distinct raters per item
+    raters: Mapped[int] = mapped_column(Integer)                         # R: distinct raters per item (the most)
+    # adaptive stopping (``stopping``): an item settled by at least min_raters answers at this confidence is
+    # served no more; both NULL for a batch of fixed R
+    min_raters: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    stop_confidence: Mapped[float | None] = mapped_column(Float, nullable=True)
     gold_rate: Mapped[float] = mapped_column(Float, default=0.0)
     questions: Mapped[list] = mapped_column(JSON)                        # ["overall", ...]
     status: Mapped[str] = mapped_column(String(16), default="open")
@@ -124,6 +128,8 @@ class Item(Base):
     # the known order (image ids, best first); SQL NULL for an ordinary item
     gold: Mapped[list | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     seq: Mapped[int] = mapped_column(Integer, default=0)                 # serving order within the batch
+    # its answers settle it (a batch with adaptive stopping): served no more
+    settled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Assignment(Base):

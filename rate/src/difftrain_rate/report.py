@@ -86,9 +86,9 @@ def flagged(s) -> set[str]:
 
 
 def batch_progress(s, batch: RatingBatch) -> dict:
-    """Items (gold left out); those ``complete`` (R answers that count: no skip, no flagged rater) and those
-    ``given_up`` (every one of their 2R slots answered without reaching R); answers against the target. Counts
-    only."""
+    """Items (gold left out); those ``complete`` (R answers that count: no skip, no flagged rater; or, with adaptive
+    stopping, settled) and those ``given_up`` (every one of their 2R slots answered without reaching R); answers
+    against the target (with adaptive stopping: the most). Counts only."""
     from difftrain_rate.db import Assignment
 
     ordinary = (Item.batch_id == batch.id, Item.gold.is_(None))
@@ -98,11 +98,16 @@ def batch_progress(s, batch: RatingBatch) -> dict:
                               .where(*ordinary, Assignment.counts.is_(True)).group_by(Answer.item_id)).all())
     answered = dict(s.execute(select(Answer.item_id, func.count()).join(Item, Item.id == Answer.item_id)
                               .where(*ordinary).group_by(Answer.item_id)).all())
-    complete = sum(1 for n in counting.values() if n >= batch.raters)
+    settled = set(s.scalars(select(Item.id).where(*ordinary, Item.settled.is_(True))).all())
+    complete = sum(1 for i, n in counting.items() if n >= batch.raters or i in settled)
     given_up = sum(1 for i, n in answered.items()
-                   if n >= SLOTS_PER_R * batch.raters and counting.get(i, 0) < batch.raters)
-    return {"items": n_items, "complete": complete, "given_up": given_up, "answers": sum(answered.values()),
-            "target": n_items * batch.raters}
+                   if n >= SLOTS_PER_R * batch.raters and counting.get(i, 0) < batch.raters and i not in settled)
+    out = {"items": n_items, "complete": complete, "given_up": given_up, "answers": sum(answered.values()),
+           "target": n_items * batch.raters}
+    if batch.stop_confidence is not None:      # adaptive stopping: the target is the most; settled items stop early
+        out.update({"settled": len(settled), "min_raters": batch.min_raters,
+                    "stop_confidence": batch.stop_confidence})
+    return out
 
 
 def batch_figures(s, batch: RatingBatch, exclude: set[str]) -> dict:
