@@ -119,7 +119,9 @@ def write_config(path: Path, base: Path, store: Path, sources: list[dict], adapt
         "adapter": {**adapter, **({} if full else {"targets": ["qkv", "proj", "linear1", "linear2", "img_mlp.0",
                                                                 "img_mlp.2", "txt_mlp.0", "txt_mlp.2"]})},
         "train": {"steps": args.steps, "minutes": 0, "global_batch": batch,
-                  "lr": lr if lr is not None else (args.lr_full if full else args.lr), "warmup_steps": 20,
+                  "lr": lr if lr is not None else (args.lr_full if full else
+                                                   args.lr_lokr if adapter["kind"] == "lokr" else args.lr),
+                  "warmup_steps": 20,
                   "ema_decay": 0.95, "log_every": 25, "checkpoint_every": 0, "sample_every": 0},
         "validation": {"every": args.track_every if validation else 0, "n": 64, "source": validation},
     }
@@ -328,6 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3, help="adapter runs")
+    ap.add_argument("--lr-lokr", type=float, default=1e-2,
+                    help="LoKr (its Kronecker factors are far smaller than LoRA's: at LoRA's rate it learns nothing)")
     ap.add_argument("--lr-full", type=float, default=1e-4, help="the full fine-tune")
     ap.add_argument("--examples", type=int, default=300, help="images in the user's folder")
     ap.add_argument("--n", type=int, default=256, help="prompts per accuracy (paired: the same for every model)")

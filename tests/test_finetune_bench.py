@@ -35,7 +35,8 @@ def base_run(tmp_path_factory) -> Path:
 
 
 def test_every_method_writes_a_config_that_loads(base_run, tmp_path):
-    args = type("A", (), {"steps": 40, "lr": 2e-3, "lr_full": 2e-4, "track_every": 10, "batch": 8})()
+    args = type("A", (), {"steps": 40, "lr": 2e-3, "lr_lokr": 1e-2, "lr_full": 2e-4, "track_every": 10,
+                          "batch": 8})()
     sources = [{"path": str(tmp_path / "c"), "name": "concept"},
                {"path": str(tmp_path / "p"), "name": "prior_edit", "kind": "edit"}]
     for method in bench.METHODS:
@@ -43,7 +44,7 @@ def test_every_method_writes_a_config_that_loads(base_run, tmp_path):
                                              bench.ADAPTERS[method], args, validation="concept", size=32))
         assert cfg.adapter.kind == bench.ADAPTERS[method]["kind"]
         assert cfg.adapter.base_precision == bench.ADAPTERS[method].get("base_precision", "bf16")
-        assert cfg.train.lr == (2e-4 if method == "full" else 2e-3) and cfg.train.steps == 40
+        assert cfg.train.lr == {"full": 2e-4, "lokr": 1e-2}.get(method, 2e-3) and cfg.train.steps == 40
         assert cfg.model.hidden == 32 and cfg.data.image_size == 32          # the base's architecture, extended
         assert cfg.data.stages[0]["buckets"] == [[32, 32]] and cfg.validation.source == "concept"
 
