@@ -17,7 +17,7 @@ from difftrain_rate.errors import RateError
 from difftrain_rate.report import batch_progress
 from difftrain_rate.stopping import settled, wilson_lower
 
-from rate_helpers import add_users, candidates_folder, database_url
+from rate_helpers import add_users, candidates_folder, database_url, sign_in
 
 RATERS = ("r1", "r2", "r3", "r4", "r5")
 
@@ -91,6 +91,16 @@ def test_obvious_items_stop_early_and_contested_ones_get_up_to_r(db, tmp_path):
     assert settled_items == {f"p{p:03d}" for p in range(6)} - contested
     assert given == 4 * 2 + 2 * 5 == progress["answers"] and progress["target"] == 30
     assert progress["complete"] == 6 and progress["settled"] == 4 and progress["given_up"] == 0
+    # the admin page says so
+    from fastapi.testclient import TestClient
+
+    from difftrain_rate.app import create_app
+
+    add_users(db, "root", role="admin")
+    admin = TestClient(create_app(db.url))
+    assert sign_in(admin, "root").status_code == 303
+    page = admin.get("/admin")
+    assert page.status_code == 200 and "6 / 6 (4 settled early)" in page.text and "18 / 30 at most" in page.text
     # undo: the last answer of a settled item taken back, the item is open again and served to the next rater
     first = ids["r1"]
     item_id = undo(db, ids["r2"])                            # r2's last answer: the last item r2 rated
