@@ -292,30 +292,15 @@ def diffusers_max_abs_diff() -> float | None:
     except ImportError:
         return None
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from conftest import run_diffusers_flux, run_ours_flux
-    from test_adapter_export import LOKR_TARGETS, LORA_TARGETS, _factors, _randomise_adapter
-    from test_flux_parity import CONFIGS, _diffusers_model, _inputs, _ours_from
-
-    from difftrain.adapter_export import to_diffusers_adapter
-    from difftrain.models.lora import AdapterSpec, adapters_disabled, apply_adapter
+    from test_adapter_export import LOKR_TARGETS, LORA_TARGETS, exported_adapter_parity
+    from test_flux_parity import CONFIGS
 
     worst = 0.0
     for kind, targets, rank, alpha in (("lora", LORA_TARGETS, 4, 8.0), ("lokr", LOKR_TARGETS, 2, 3.0)):
-        cfg = CONFIGS[3].values[0]
-        ref = _diffusers_model(cfg, seed=0)
-        ours, p = _ours_from(ref)
-        spec = AdapterSpec(kind, rank, alpha, targets)
-        apply_adapter(ours, spec)
-        _randomise_adapter(ours, seed=3)
-        inp = _inputs(cfg, 2, True, seed=7)
-        with adapters_disabled(ours):
-            plain = run_ours_flux(ours, *inp)
-        want = run_ours_flux(ours, *inp)
-        if float((want - plain).abs().max()) <= 1e-2:
+        got = exported_adapter_parity(CONFIGS[3].values[0], kind, targets, rank, alpha)
+        if got["moved"] <= 1e-2:
             raise RuntimeError(f"the randomised {kind} barely moves the output: the comparison would prove nothing")
-        sd = to_diffusers_adapter(kind, _factors(ours), spec.scale, p.double_blocks, p.single_blocks, p.hidden)
-        ref.load_lora_adapter(sd, prefix="transformer", adapter_name="mine")
-        worst = max(worst, float((run_diffusers_flux(ref, *inp) - want).abs().max()))
+        worst = max(worst, got["adapted"])
     return worst
 
 
