@@ -447,6 +447,13 @@ def finetune_paths(smoke: bool) -> dict:
     return out
 
 
+def _save(out: dict, path: str) -> None:
+    """The figures so far, to ``path`` and stderr: a timeout or a crash in a later section keeps them."""
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out), file=sys.stderr, flush=True)
+
+
 def _guarded(out: dict, key: str, fn, *args) -> None:
     """``out`` updated with ``fn(*args)``; a missing library or a refusal (float8 before sm89) is "not run", any
     other failure an error entry."""
@@ -494,19 +501,21 @@ def main() -> None:
                     out["planner_error"] = f"failed: {e!r}"
         except Exception as e:
             out[f"error{name}"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
-        print(json.dumps(out), file=sys.stderr, flush=True)   # partial results survive a timeout
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        _save(out, args.out)
     try:
         out.update(trainer_run(args.steps, args.warmup, args.smoke))
     except Exception as e:
         out["error_trainer"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
+    _save(out, args.out)
     try:
         out.update(attention_table(args.smoke))
     except Exception as e:
         out["error_attention"] = "".join(traceback.format_exception_only(e)).strip()[-500:]
+    _save(out, args.out)
     _guarded(out, "blocking_save", blocking_save, args.smoke)
+    _save(out, args.out)
     _guarded(out, "tuned_calls", tuned_calls, args.smoke)
+    _save(out, args.out)
     for key, fn, fargs in (("fp8_train", fp8_train, (bf16_run, args.batch, args.steps, args.warmup, args.smoke)),
                            ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
                            ("fp8_encoder", fp8_encoder, (args.smoke,)), ("adapter", adapter_runs, (args.smoke,)),
@@ -515,9 +524,7 @@ def main() -> None:
             out["error_fp8_train"] = "no bf16 run to compare with"
             continue
         _guarded(out, key, fn, *fargs)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(json.dumps(out), file=sys.stderr, flush=True)
+        _save(out, args.out)
     print(json.dumps(out))
 
 

@@ -15,7 +15,7 @@ if ls bench/wheels/*.whl >/dev/null 2>&1 && ! python3 -c "import torchao" >/dev/
   python3 -m pip install -q --no-deps --no-index --target "$pylib" bench/wheels/*.whl \
     && export PYTHONPATH="src:$pylib"
 fi
-export TORCHINDUCTOR_CACHE_DIR="$out/inductor-cache"
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}"   # not under OUT: its files would travel back
 timeout 480 python3 bench/gpu_suite.py --out "$out/gpu_suite.json" 2>&1 | tee "$out/gpu_suite.log"
 status=${PIPESTATUS[0]}
 [ -s "$out/gpu_suite.json" ] && cat "$out/gpu_suite.json"
