@@ -316,13 +316,26 @@ def test_sample_eval_and_candidates_take_adapters_and_refuse_bad_ones(base, adap
 
 @pytest.mark.parametrize("precision, kind", [("fp8", "Float8Tensor"), ("nf4", "NF4Tensor")])
 def test_a_quantized_base_holds_every_block_linear_quantized_and_trains_close_to_the_full_one(
-        base128, tmp_path, precision, kind):
+        base128, tmp_path, monkeypatch, precision, kind):
     """adapter.base_precision: every frozen block linear (the adapted ones' base layers and the modulation) is held
     quantized, the adapters and the embedders are not; the first loss is the full-precision base's within a few
-    percent but not equal to it (the quantization is in effect); sampling rebuilds the same quantized base."""
+    percent but not equal to it (the quantization is in effect); the base is read a layer at a time, never allocated
+    whole in full precision; sampling rebuilds the same quantized base."""
     from difftrain.inference import load_pipeline
     from difftrain.models.base_quant import stored_bytes
     from difftrain.train import build_trainer
+    from difftrain.train.trainer import Trainer
+
+    whole = []                  # at each layer's quantization: how many base layers are allocated in full precision
+    quantize_one = Trainer._quantize_one
+
+    def counting(self, name):
+        if name in self.quantized:
+            whole.append(sum(type(m.weight.data) is torch.Tensor and not m.weight.is_meta
+                             for m in self.quantized.values()))
+        quantize_one(self, name)
+
+    monkeypatch.setattr(Trainer, "_quantize_one", counting)
 
     def first_loss(p, run):
         cfg = load_config(None, RUN + ADAPTED + WIDE + [f"model.init_from={base128}", "adapter.kind=lora",
@@ -340,6 +353,8 @@ def test_a_quantized_base_holds_every_block_linear_quantized_and_trains_close_to
     full, _, _, full_bytes = first_loss("bf16", "full")
     q, layers, top, q_bytes = first_loss(precision, "q")
     assert layers and set(layers.values()) == {kind}, layers
+    # read layer by layer: the one being quantized is the only one in full precision (never the whole base)
+    assert len(whole) == len(layers) and max(whole) == 1, whole
     assert top == "Tensor" and q_bytes < (0.45 if precision == "fp8" else 0.3) * full_bytes
     assert q != full and abs(q - full) < 0.05 * full
     pipe, _, _ = load_pipeline(tmp_path / "q")

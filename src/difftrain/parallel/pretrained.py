@@ -260,11 +260,13 @@ def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return local, offset[0], shape[0]
 
 
-def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None) -> dict:
+def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None, materialize=None) -> dict:
     """Overwrite every parameter of ``dit`` (plain or FSDP2/HSDP-sharded) with pretrained weights from ``path``,
     reading only the rows this rank holds, cast to each parameter's dtype. ``on_loaded(name)`` is called as soon
     as a parameter (the plain model's name) is whole, and this function keeps no reference to it afterwards: a
     frozen base is quantized layer by layer as it is read (``models.base_quant``), never whole in full precision.
+    A parameter still on the meta device is allocated by ``materialize(name)`` (which returns the tensor to read
+    into) just before its first rows are read, so that only the parameters being read are alive at once.
 
     Returns {"kind": "diffusers" | "difftrain", "path", "files", "tensors" (our parameters written),
     "bytes_read" (by this rank), "bytes_total" (all the source tensors the model takes)}. Raises ``UserError``
@@ -327,11 +329,18 @@ def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None) -> dict:
         n_params = len(params)
         params.clear()                               # from here the plan's items hold the only references
         bytes_read = 0
+        live: dict[str, torch.Tensor] = {}         # parameters allocated by ``materialize``, until whole
         for f, items in reads.items():             # grouped by file
             h = stack.enter_context(SafetensorsFile(f))
             items.reverse()                        # popped from the end, in plan order
             while items:
                 o, name, a, b, local, at = items.pop()
+                if local.is_meta:
+                    if materialize is None:
+                        raise RuntimeError(f"load_pretrained: {o} is on the meta device and nothing allocates it")
+                    if o not in live:
+                        live[o] = materialize(o)
+                    local = live[o]
                 dest = local[at:at + (b - a)]
                 try:                               # only these rows, read straight into the parameter where it can
                     t = h.read(name, (slice(a, b),), out=dest)
@@ -343,8 +352,10 @@ def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None) -> dict:
                 bytes_read += t.numel() * t.element_size()
                 written[o] += b - a
                 del local, t
-                if on_loaded is not None and written[o] == local_rows[o]:
-                    on_loaded(o)
+                if written[o] == local_rows[o]:
+                    live.pop(o, None)
+                    if on_loaded is not None:
+                        on_loaded(o)
     wrong = {o: f"{written[o]}/{local_rows[o]} rows" for o in written if written[o] != local_rows[o]}
     if wrong:
         raise RuntimeError(f"load_pretrained: parameters not written exactly once: {dict(list(wrong.items())[:6])}")

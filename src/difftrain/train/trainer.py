@@ -245,11 +245,21 @@ class Trainer(TrainerOutputs):
         self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp,
                                                        ignored=[m.weight for m in self.quantized.values()])
         dit = model["dit"]
-        dit.to_empty(device="cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
         # every DiT parameter is read from model.init_from (checked), the adapters' apart; with adapters the frozen
         # base is read on every start (a checkpoint holds the adapters alone)
         # (a DPO run's weights come from dpo.init, its own loading)
         pretrained = bool(cfg.model.init_from) and not self.dpo_run and (fresh or self.adapter is not None)
+        # a quantized base read from model.init_from stays on the meta device here: each layer is allocated when its
+        # first rows are read (``_materialize``) and quantized once whole, so the base is never whole in full
+        # precision on the device (``to_empty`` would allocate all of it: 48 GB for a 12B base in fp32, twice the
+        # GPU a quantized base is meant to fit)
+        lazy = {}
+        if pretrained and self.quantized:
+            for name, layer in self.quantized.items():
+                lazy[name] = layer._parameters.pop("weight")
+        dit.to_empty(device="cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
+        for name, w in lazy.items():
+            self.quantized[name].register_parameter("weight", w)
         if self.quantized and self.device.type == "cpu":
             from difftrain.models.base_quant import mmap_large_allocations
             mmap_large_allocations()        # the base's read-through weights and dequantized pieces, returned
@@ -259,7 +269,8 @@ class Trainer(TrainerOutputs):
                              else None)
         if pretrained:
             from difftrain.parallel.pretrained import load_pretrained
-            report = load_pretrained(dit, cfg.model.init_from, on_loaded=self._quantize_one)
+            report = load_pretrained(dit, cfg.model.init_from, on_loaded=self._quantize_one,
+                                     materialize=self._materialize if lazy else None)
             log.info("initialised from %s (%s)", cfg.model.init_from, report)
             if fresh and self.base_words is not None and "text" in model:
                 from difftrain.parallel.words_init import load_word_encoder
@@ -269,6 +280,13 @@ class Trainer(TrainerOutputs):
                 from difftrain.models.base_quant import release_freed_memory
                 release_freed_memory()      # the full-precision weights the base was read through
         return model
+
+    def _materialize(self, name: str) -> torch.Tensor:
+        """A quantized base layer's weight, still on the meta device, allocated on this device to be read into."""
+        layer = self.quantized[name]
+        w = layer.weight
+        layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=self.device), requires_grad=False)
+        return layer.weight.data
 
     def _quantize_one(self, name: str) -> None:
         """A base weight is whole: quantize its layer now (with adapter.base_precision fp8 or nf4)."""
