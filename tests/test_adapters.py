@@ -381,7 +381,7 @@ def test_a_quantized_layer_dequantized_by_pieces_is_the_whole_layer(monkeypatch,
     from difftrain.models.base_quant import dequantized, pieces, quantize_layer
 
     monkeypatch.setattr(base_quant, "CHUNK_ELEMENTS", 40000)
-    for out_f, in_f in ((256, 1280), (1792, 256), (384, 128)):
+    for out_f, in_f in ((256, 1280), (1792, 256), (384, 128), (576, 192), (192, 960)):   # (the last two: scaler 64)
         layer = torch.nn.Linear(in_f, out_f).requires_grad_(False)
         quantize_layer(layer, precision)
         assert len(pieces(layer.weight)) > 1
@@ -392,6 +392,20 @@ def test_a_quantized_layer_dequantized_by_pieces_is_the_whole_layer(monkeypatch,
         w = dequantized(layer.weight, torch.float32)
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w, layer.bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.grad, g @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_nf4_holds_every_block_linear_of_a_width_192_model():
+    """The scales' block is 256 (QLoRA's) where a weight allows, else 128 or 64: the shapes model (width 192), whose
+    attention and single-block linears are not whole 64 x 256 blocks, is quantized whole; a size that is not a
+    multiple of 64 x 64 is not."""
+    from difftrain.models import build_dit, config_dit_params
+    from difftrain.models.base_quant import base_layers, nf4_scaler_block
+
+    assert [nf4_scaler_block(s) for s in ((256, 1280), (576, 192), (192, 192), (100, 30))] == [256, 64, 64, None]
+    dit = build_dit(config_dit_params(load_config(None, ["model.hidden=192", "model.heads=6"])), device="meta")
+    dit.requires_grad_(False)                                          # a frozen base
+    blocks = [n for n, m in dit.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in n]
+    assert len(base_layers(dit, "nf4")) == len(blocks) == len(base_layers(dit, "fp8"))
 
 
 @pytest.mark.parametrize("adapter", ["none", "lora"])

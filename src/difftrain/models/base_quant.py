@@ -2,7 +2,9 @@
 
 - ``fp8``: float8 e4m3 weights with one scale per output row (``Float8WeightOnlyConfig``): 1 byte a weight.
 - ``nf4``: 4-bit NormalFloat in blocks of 64 with double-quantized scales (``NF4WeightOnlyConfig``, QLoRA's
-  format): about 0.52 bytes a weight.
+  format): about 0.52 bytes a weight. The scales are quantized in blocks of 256 (QLoRA's), or of 128 or 64 where a
+  weight's blocks of 64 do not come in whole 256s (a width of 192: every layer of the shapes models), so that every
+  block linear whose size is a multiple of 64 x 64 is held in nf4; a smaller one stays in full precision.
 
 Quantized: every frozen linear of the double and single blocks (an adapted layer's ``base_layer``, and the linears
 no adapter targets, the modulation's included: a sixth of FLUX's weights), but for fp8 a layer with a row of zeros
@@ -30,16 +32,29 @@ from difftrain.errors import UserError
 
 PRECISIONS = ("fp8", "nf4")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_SCALER_BLOCKS = (256, 128, 64)      # the first that divides a weight's count of 64-value blocks
 BLOCKS = ("double_blocks.", "single_blocks.")
 
 
-def _config(precision: str):
+def _config(precision: str, scaler_block: int = NF4_SCALER_BLOCK):
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         if precision == "fp8":
             from torchao.quantization import Float8WeightOnlyConfig
             return Float8WeightOnlyConfig()
         from torchao.prototype._nf4tensor_api import NF4WeightOnlyConfig
-        return NF4WeightOnlyConfig()
+        config = NF4WeightOnlyConfig()
+        config.block_size, config.scaler_block_size = NF4_BLOCK, scaler_block
+        return config
+
+
+def nf4_scaler_block(shape: tuple[int, ...]) -> int | None:
+    """The scaler block (``NF4_SCALER_BLOCKS``) a weight of this shape is held with in nf4; None when none fits."""
+    n = 1
+    for d in shape:
+        n *= d
+    if n % NF4_BLOCK:
+        return None
+    return next((s for s in NF4_SCALER_BLOCKS if (n // NF4_BLOCK) % s == 0), None)
 
 
 def check_base_precision(precision: str, device: torch.device) -> None:
@@ -63,11 +78,9 @@ def check_base_precision(precision: str, device: torch.device) -> None:
 
 
 def fits(shape: tuple[int, ...], precision: str) -> bool:
-    """Whether a weight of this shape can be held in ``precision`` (nf4 needs whole blocks of 64 x 256 values)."""
-    n = 1
-    for d in shape:
-        n *= d
-    return precision == "fp8" or n % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+    """Whether a weight of this shape can be held in ``precision`` (nf4 needs whole blocks of 64 x 64 values at least:
+    ``nf4_scaler_block``)."""
+    return precision == "fp8" or nf4_scaler_block(shape) is not None
 
 
 def base_layers(dit: nn.Module, precision: str) -> dict[str, nn.Linear]:
@@ -94,11 +107,11 @@ CHUNK_ELEMENTS = 1 << 22      # rows dequantized together: 16 MB of fp32 (NF4's 
 
 def pieces(weight: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     """(first row, end row, quantized piece) covering ``weight`` by rows, each about ``CHUNK_ELEMENTS`` values: NF4
-    splits on whole scaler blocks (64 x 256 values), fp8 on any row."""
+    splits on whole scaler blocks (64 x the weight's scaler block of values), fp8 on any row."""
     import math as _math
 
     rows, cols = weight.shape
-    step = NF4_BLOCK * NF4_SCALER_BLOCK if hasattr(weight, "get_original_weight") else 1
+    step = NF4_BLOCK * weight.scaler_block_size if hasattr(weight, "get_original_weight") else 1
     unit = step // _math.gcd(step, cols)                 # rows whose values fill whole blocks
     if rows * cols <= CHUNK_ELEMENTS or rows % unit:
         return [(0, rows, weight)]
@@ -148,7 +161,10 @@ def quantize_layer(module: nn.Linear, precision: str) -> None:
     if precision == "fp8" and bool((module.weight.detach().abs().amax(dim=1) == 0).any()):
         return          # a row of zeros has no fp8 scale (0 / 0): such a layer stays in full precision
     with contextlib.redirect_stderr(io.StringIO()):
-        quantize_(module, _config(precision), filter_fn=lambda m, fqn: m is module)
+        scaler = nf4_scaler_block(tuple(module.weight.shape)) if precision == "nf4" else NF4_SCALER_BLOCK
+        if scaler is None:
+            raise ValueError(f"a weight of shape {tuple(module.weight.shape)} is not whole nf4 blocks (64 x 64)")
+        quantize_(module, _config(precision, scaler), filter_fn=lambda m, fqn: m is module)
     module.weight.requires_grad_(False)
     if module.bias is not None:
         module.bias.requires_grad_(False)
