@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,8 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
                             cfg.sample.seed, cfg.eval.keyframe_given, heldout=False)
         accs[step] = {k: m[k] for k in ACC_KEYS}
 
-    trainer.fit(judge)
+    summary = trainer.fit(judge)
     trainer.close()
+    if summary.get("preempted"):          # SIGTERM / SIGINT: the trainer saved and stopped; so does the bench
+        sys.exit(f"stopped by a signal at step {summary['steps']} of {args.steps}: no figures (the run: {root / 'run'})")
     rows = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r for r in rows if "val_loss" in r}
     points = []
