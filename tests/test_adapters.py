@@ -357,9 +357,28 @@ def test_a_quantized_base_holds_every_block_linear_quantized_and_trains_close_to
     assert len(whole) == len(layers) and max(whole) == 1, whole
     assert top == "Tensor" and q_bytes < (0.45 if precision == "fp8" else 0.3) * full_bytes
     assert q != full and abs(q - full) < 0.05 * full
+
+    # sampling reads the base the same way: a layer at a time, each quantized once whole
+    from difftrain.models.base_quant import base_layers
+    from difftrain.parallel import pretrained
+
+    read_through = pretrained.load_pretrained
+    alive = []
+
+    def counting_read(dit, path, on_loaded=None, materialize=None):
+        base = base_layers(dit, precision)
+
+        def loaded(name):
+            if name in base:
+                alive.append(sum(type(m.weight.data) is torch.Tensor and not m.weight.is_meta for m in base.values()))
+            on_loaded(name)
+        return read_through(dit, path, on_loaded=loaded, materialize=materialize)
+
+    monkeypatch.setattr(pretrained, "load_pretrained", counting_read)
     pipe, _, _ = load_pipeline(tmp_path / "q")
     assert {type(m.weight.data).__name__ for n, m in pipe.model["dit"].named_modules()
             if isinstance(m, torch.nn.Linear) and n.startswith("double_blocks") and ".lora_" not in n} == {kind}
+    assert len(alive) == len(layers) and max(alive) == 1, alive
 
 
 def test_a_quantized_base_without_torchao_or_an_adapter_is_refused(monkeypatch):

@@ -254,6 +254,11 @@ def test_dpo_with_lora_trains_adapters_only_and_exports_merged_or_apart(world):
     # a LoRA run's checkpoint samples as any other (its adapters applied)
     out = json.loads(_cli(["sample", "la", "--prompt", "a red circle", "--num-images", "1"], world).stdout)
     assert len(out["images"]) == 1
+    # on an fp8 base too: sampling reads the base from dpo.init, quantized as the run held it
+    fp8 = ["adapter.base_precision=fp8", "dpo.lora_export=adapter", "train.steps=2"]
+    _cli(["dpo", _dpo_cfg(world, "lq", *lora, *fp8), "--run-dir", "lq", "--no-progress"], world)
+    out = json.loads(_cli(["sample", "lq", "--prompt", "a red circle", "--num-images", "1"], world).stdout)
+    assert len(out["images"]) == 1
 
 
 def test_a_lora_dpo_checkpoint_of_the_older_layout_still_resumes_and_samples(world, monkeypatch):

@@ -66,8 +66,14 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
                            cfg.autoencoder.scaling, cfg.autoencoder.shift)
     vocab = info.get("text_encoder", {}).get("vocabulary")
     text = build_text_encoder(cfg, vocab, device, base_words=int(info.get("text_encoder", {}).get("base_words", 0)))
-    model = build_model(cfg, text, ae, "meta" if sharded else device)
     adapted = "adapter" in info              # a run with an adapter: its checkpoint holds the adapters alone
+    quantized_base = adapted and cfg.adapter.base_precision != "bf16"
+    if quantized_base and sharded:
+        raise UserError(f"{info['path']}: trained on an {cfg.adapter.base_precision} base, which samples on one device "
+                        "(the quantized base is not sharded): launch without torchrun")
+    # a quantized base is built on the meta device and read a layer at a time (``load_base``): never whole in full
+    # precision on the device
+    model = build_model(cfg, text, ae, "meta" if sharded or quantized_base else device)
     if adapted:
         from difftrain.train.adapters import spec_of_checkpoint
         from difftrain.models.lora import apply_adapter
@@ -81,10 +87,6 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
         for unit in units:          # no backward follows: the root (embedders, head) need not stay gathered either
             unit.set_reshard_after_forward(True)
         model["dit"].to_empty(device=device)
-    quantized_base = adapted and cfg.adapter.base_precision != "bf16"
-    if quantized_base and sharded:
-        raise UserError(f"{info['path']}: trained on an {cfg.adapter.base_precision} base, which samples on one device "
-                        "(the quantized base is not sharded): launch without torchrun")
     if device.type == "cuda" and cfg.train.precision == "bf16" and not quantized_base:
         model.to(torch.bfloat16)                 # bf16 weights on a GPU: half the memory; read in place below
     # The checkpoint's weights are read into the model's own parameters (each rank's shards, when sharded): one
@@ -92,7 +94,7 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     params = {k: v.detach() for k, v in model.named_parameters()}
     if adapted:                             # the frozen base from where the run read it (its digest checked)
         from difftrain.train.adapters import load_base
-        params = load_base(model, cfg, info)
+        params = load_base(model, cfg, info, device)
     Checkpointer.load_tensors(info["path"], "ema" if use_ema and cfg.train.ema_decay > 0 else "model", params)
     model.eval().requires_grad_(False)
     if adapters:

@@ -14,6 +14,7 @@ import json
 import logging
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from difftrain.config import Config
@@ -164,11 +165,13 @@ def spec_of_checkpoint(info: dict) -> AdapterSpec:
     return AdapterSpec(a["kind"], int(a["rank"]), float(a["alpha"]), tuple(a["targets"]), 0.0)
 
 
-def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
+def load_base(model: nn.ModuleDict, cfg: Config, info: dict, device=None) -> dict:
     """Read an adapter run's frozen base into ``model`` (adapters injected, plain or sharded) from where the run
     read it: DPO's starting checkpoint or ``model.init_from``; refused, naming both, when
     the base found there is not the one the adapters were trained on. Returns the adapters' tensors by name (and the
-    rows of words the adapter learnt, ``text.new_words``), for the checkpoint's EMA or raw values to be read into."""
+    rows of words the adapter learnt, ``text.new_words``), for the checkpoint's EMA or raw values to be read into.
+    A DiT on the meta device (a quantized base) is allocated on ``device`` but for the layers to quantize, each
+    allocated as its first rows are read: the base is never whole in full precision there."""
     from difftrain.models.lora import base_name
     from difftrain.train.checkpoint import Checkpointer
 
@@ -181,6 +184,20 @@ def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
         for name, p in dit.named_parameters():
             p.requires_grad_(is_adapter(name))
         layers = base_layers(dit, precision)
+    lazy = any(p.is_meta for p in dit.parameters())
+    if lazy:
+        if device is None:
+            raise ValueError("load_base: a DiT on the meta device needs the device to allocate it on")
+        held = {name: layer._parameters.pop("weight") for name, layer in layers.items()}
+        dit.to_empty(device=device)
+        for name, w in held.items():
+            layers[name].register_parameter("weight", w)
+
+    def materialize(name: str) -> torch.Tensor:
+        layer = layers[name]
+        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device=device),
+                                    requires_grad=False)
+        return layer.weight.data
 
     def quantize(name: str) -> None:
         if name in layers:
@@ -191,6 +208,9 @@ def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
         start = Checkpointer.read_info(info["dpo"]["init"])
         now = {"source": start["path"], "digest": reference_digest(start, info["dpo"]["weights"])}
         check_same_base(saved, now, Path(info["path"]))
+        if lazy:                             # a checkpoint's reader wants every tensor allocated
+            for name in layers:
+                materialize(name)
         Checkpointer.load_tensors(start["path"], info["dpo"]["weights"],
                                   {base_name(k): v.detach() for k, v in model.named_parameters() if not is_adapter(k)})
         for name in list(layers):
@@ -199,7 +219,7 @@ def load_base(model: nn.ModuleDict, cfg: Config, info: dict) -> dict:
         run_dir = Path(info["path"]).parent.parent
         check_same_base(saved, base_digest(cfg, run_dir, _is_main()), Path(info["path"]))
         from difftrain.parallel.pretrained import load_pretrained
-        load_pretrained(dit, cfg.model.init_from, on_loaded=quantize)
+        load_pretrained(dit, cfg.model.init_from, on_loaded=quantize, materialize=materialize if lazy else None)
     trained = {k: v.detach() for k, v in model.named_parameters() if is_adapter(k) or k == "text.new_words"}
     rest = {k: v.detach() for k, v in model.named_parameters() if not k.startswith("dit.") and k not in trained}
     if rest:                                 # a trained word encoder, frozen under the adapter: the checkpoint's
