@@ -153,6 +153,22 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return _FrozenQuantizedLinear.apply(x, self.weight, self.bias)
 
 
+def to_empty_but(module: nn.Module, layers: dict[str, nn.Linear], device) -> None:
+    """``module.to_empty(device)`` but for ``layers``' weights, which stay on the meta device to be allocated one at a
+    time (``allocate``) as they are read: a base to quantize is never whole in full precision on the device."""
+    held = {name: layer._parameters.pop("weight") for name, layer in layers.items()}
+    module.to_empty(device=device)
+    for name, w in held.items():
+        layers[name].register_parameter("weight", w)
+
+
+def allocate(layer: nn.Linear, device) -> torch.Tensor:
+    """A layer's weight, still on the meta device, allocated (frozen, uninitialised) on ``device`` to be read into."""
+    w = layer.weight
+    layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=device), requires_grad=False)
+    return layer.weight.data
+
+
 def quantize_layer(module: nn.Linear, precision: str) -> None:
     """Replace ``module``'s weight by its quantized form (in place; the module object stays, so a peft wrapper
     holding it as its base layer sees the change), computed by ``_FrozenQuantizedLinear``."""

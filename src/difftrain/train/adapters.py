@@ -14,7 +14,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from difftrain.config import Config
@@ -188,16 +187,12 @@ def load_base(model: nn.ModuleDict, cfg: Config, info: dict, device=None) -> dic
     if lazy:
         if device is None:
             raise ValueError("load_base: a DiT on the meta device needs the device to allocate it on")
-        held = {name: layer._parameters.pop("weight") for name, layer in layers.items()}
-        dit.to_empty(device=device)
-        for name, w in held.items():
-            layers[name].register_parameter("weight", w)
+        from difftrain.models.base_quant import to_empty_but
+        to_empty_but(dit, layers, device)
 
     def materialize(name: str) -> torch.Tensor:
-        layer = layers[name]
-        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device=device),
-                                    requires_grad=False)
-        return layer.weight.data
+        from difftrain.models.base_quant import allocate
+        return allocate(layers[name], device)
 
     def quantize(name: str) -> None:
         if name in layers:

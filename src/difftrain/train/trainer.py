@@ -253,13 +253,10 @@ class Trainer(TrainerOutputs):
         # first rows are read (``_materialize``) and quantized once whole, so the base is never whole in full
         # precision on the device (``to_empty`` would allocate all of it: 48 GB for a 12B base in fp32, twice the
         # GPU a quantized base is meant to fit)
-        lazy = {}
-        if pretrained and self.quantized:
-            for name, layer in self.quantized.items():
-                lazy[name] = layer._parameters.pop("weight")
-        dit.to_empty(device="cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
-        for name, w in lazy.items():
-            self.quantized[name].register_parameter("weight", w)
+        lazy = pretrained and bool(self.quantized)
+        from difftrain.models.base_quant import to_empty_but
+        to_empty_but(dit, self.quantized if lazy else {},
+                     "cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
         if self.quantized and self.device.type == "cpu":
             from difftrain.models.base_quant import mmap_large_allocations
             mmap_large_allocations()        # the base's read-through weights and dequantized pieces, returned
@@ -283,10 +280,8 @@ class Trainer(TrainerOutputs):
 
     def _materialize(self, name: str) -> torch.Tensor:
         """A quantized base layer's weight, still on the meta device, allocated on this device to be read into."""
-        layer = self.quantized[name]
-        w = layer.weight
-        layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=self.device), requires_grad=False)
-        return layer.weight.data
+        from difftrain.models.base_quant import allocate
+        return allocate(self.quantized[name], self.device)
 
     def _quantize_one(self, name: str) -> None:
         """A base weight is whole: quantize its layer now (with adapter.base_precision fp8 or nf4)."""
