@@ -1,11 +1,18 @@
 """Automatic raters: scripted people that answer through the rating app's HTTP API (``--rater auto:NAME[:POLICY]``).
 
-A policy orders an item's candidates from their pixels (the images fetched from the app, as a browser would):
-- ``light``: a lighter background first (``shapes.evaluate.background_shade``: the grey of the background plane
-  fitted to the image's border), the preference the shapes world's captions leave free;
-- ``noisy``: ``light``, but one answer in five a random order (an honest, careless person);
+A **measure** reads, from pixels alone, an attribute the shapes world's captions leave free (``MEASURES``):
+- ``light``: the background's shade (``shapes.evaluate.background_shade``: the grey of the plane fitted to the
+  image's border);
+- ``left`` / ``high``: how far left / up the shape sits inside its cell (``shapes.evaluate.jitter``, as a share of
+  the largest offset the world draws for its size; an image without a readable shape measures lowest).
+A **policy** orders an item's candidates by one (the images fetched from the app, as a browser would):
+- ``MEASURE`` (``light``, ``left``, ``high``): an honest rater, the highest first; on a pairwise item two
+  candidates closer than the measure's just-noticeable difference (``JND``) are answered as a tie;
+- ``noisy-MEASURE``: the same, but one answer in five a random order (an honest, careless person); ``noisy`` is
+  ``noisy-light``;
 - ``random``: a random order every time (a spammer; gold items give them away).
-Measures (``MEASURES``) also give gold items their known order (``difftrain align --gold-measure``).
+Measures also give gold items their known order (``difftrain align --gold-measure``), and the preference benchmark
+its score: the share of samples in the preferred quarter of the attribute's range (``preferred``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import numpy as np
 
 from difftrain.errors import UserError
 
+NOT_READ = -1e9          # the measure of an image whose shape cannot be read: below every real one
+
 
 def light(image_rgb: np.ndarray) -> float:
     from difftrain.shapes.evaluate import background_shade
@@ -25,8 +34,37 @@ def light(image_rgb: np.ndarray) -> float:
     return float(background_shade(image_rgb))
 
 
-MEASURES = {"light": light}
-POLICIES = ("light", "noisy", "random")
+def _offset(image_rgb: np.ndarray, axis: int) -> float:
+    from difftrain.shapes.evaluate import jitter
+
+    j = jitter(image_rgb)
+    return NOT_READ if j is None else -float(j[axis])
+
+
+def left(image_rgb: np.ndarray) -> float:
+    return _offset(image_rgb, 0)
+
+
+def high(image_rgb: np.ndarray) -> float:
+    return _offset(image_rgb, 1)
+
+
+MEASURES = {"light": light, "left": left, "high": high}
+# Differences a person does not see: 3 grey levels of a background; 15% of the jitter range (about half a pixel
+# for a small shape at 48 px).
+JND = {"light": 3.0, "left": 0.15, "high": 0.15}
+POLICIES = (*MEASURES, *(f"noisy-{m}" for m in MEASURES), "noisy", "random")
+
+
+def preferred(measure: str, value: float, background: tuple[int, int] = (100, 160)) -> bool:
+    """Whether a measured value lies in the preferred quarter of its attribute's range: a shade in the lightest
+    quarter of ``background`` (``data.background``), a shape in the leftmost / highest quarter of its jitter."""
+    if measure == "light":
+        lo, hi = background
+        return value >= hi - (hi - lo) / 4
+    if measure in ("left", "high"):
+        return value >= 0.5
+    raise UserError(f"measure {measure!r}: expected one of {sorted(MEASURES)}")
 
 
 def parse_rater(spec: str) -> tuple[str, str]:
@@ -40,6 +78,27 @@ def parse_rater(spec: str) -> tuple[str, str]:
     return parts[1], policy
 
 
+def split_policy(policy: str) -> tuple[str, str | None]:
+    """A policy -> (kind: honest, noisy or random; its measure, None for random)."""
+    if policy == "random":
+        return "random", None
+    if policy == "noisy":
+        return "noisy", "light"
+    if policy.startswith("noisy-"):
+        return "noisy", policy[len("noisy-"):]
+    return "honest", policy
+
+
+def decide(scores: dict[str, float], measure: str, rng: random.Random, kind: str) -> tuple[list, str]:
+    """(order, outcome) for an item whose candidates (by handle) measure ``scores``."""
+    handles = list(scores)
+    if kind == "random" or (kind == "noisy" and rng.random() < 0.2):
+        return rng.sample(handles, len(handles)), "ranked"
+    if len(handles) == 2 and abs(scores[handles[0]] - scores[handles[1]]) < JND[measure]:
+        return [], "tie"
+    return sorted(handles, key=lambda h: -scores[h]), "ranked"
+
+
 def _decode(png: bytes) -> np.ndarray:
     from PIL import Image
 
@@ -51,6 +110,7 @@ def answer_all(url: str, token: str, policy: str, seed: int, stop: threading.Eve
     """Answer items until none is left for this rater; the number answered."""
     from difftrain_rate.client import RaterClient
 
+    kind, measure = split_policy(policy)
     rng, n = random.Random(seed), 0
     client = RaterClient(url, token)
     try:
@@ -59,12 +119,13 @@ def answer_all(url: str, token: str, policy: str, seed: int, stop: threading.Eve
             if item is None:
                 return n
             handles = [c["handle"] for c in item["candidates"]]
-            if policy == "random" or (policy == "noisy" and rng.random() < 0.2):
-                order = rng.sample(handles, len(handles))
+            if kind == "random":
+                scores = dict.fromkeys(handles, 0.0)
             else:
-                score = {c["handle"]: light(_decode(client.image(c["frames"][0]))) for c in item["candidates"]}
-                order = sorted(handles, key=lambda h: -score[h])
-            client.answer(item, order, key=f"{seed}-{item['assignment']}")
+                scores = {c["handle"]: MEASURES[measure](_decode(client.image(c["frames"][0])))
+                          for c in item["candidates"]}
+            order, outcome = decide(scores, measure or "light", rng, kind)
+            client.answer(item, order, outcome, key=f"{seed}-{item['assignment']}")
             n += 1
         return n
     finally:

@@ -659,3 +659,22 @@ def accuracy(results: list[dict[str, bool]]) -> dict[str, float]:
         return {}
     keys = [k for k in results[0] if all(k in r for r in results)]
     return {k: float(np.mean([bool(r[k]) for r in results])) for k in keys}
+
+
+# --------------------------------------------------------------------------- free attributes
+# What a caption leaves free, read from pixels: raters' preferences in the preference benchmarks are over these.
+
+
+def jitter(img: np.ndarray) -> tuple[float, float] | None:
+    """The shape's offset from its cell's centre, (x, y), each as a share of the largest jitter the world draws
+    for the size read (``world.max_jitter``): -1 the far left / top of what the world draws, +1 the far right /
+    bottom (values past +-1 are placements the world never draws). None when no shape is read."""
+    from difftrain.shapes.world import cell_center, max_jitter
+
+    r = read_image(img)
+    if not r.found or r.centroid is None:
+        return None
+    h, w = img.shape[:2]
+    cx, cy = cell_center(r.row, r.col, w)
+    lim = max(max_jitter(r.size), 1e-6) * w
+    return (r.centroid[0] - cx) / lim, (r.centroid[1] - cy * h / w) / lim
