@@ -14,7 +14,7 @@ from difftrain_rate.batches import import_batch
 from difftrain_rate.cli import _batch_settings
 from difftrain_rate.db import Answer, Database, Item, RatingBatch, User, _alembic_config, upgrade
 from difftrain_rate.errors import RateError
-from difftrain_rate.report import batch_progress
+from difftrain_rate.report import batch_progress, judgements
 from difftrain_rate.stopping import settled, wilson_lower
 
 from rate_helpers import add_users, candidates_folder, database_url, sign_in
@@ -91,6 +91,10 @@ def test_obvious_items_stop_early_and_contested_ones_get_up_to_r(db, tmp_path):
     assert settled_items == {f"p{p:03d}" for p in range(6)} - contested
     assert given == 4 * 2 + 2 * 5 == progress["answers"] and progress["target"] == 30
     assert progress["complete"] == 6 and progress["settled"] == 4 and progress["given_up"] == 0
+    with db.read() as s:
+        cost = judgements(s, s.scalar(select(RatingBatch)))
+    assert cost["judgements"] == cost["answers"] == 18 and cost["gold"] == 0   # a pairwise answer is 1 judgement
+    assert sum(cost["by_rater"].values()) == 18 and cost["by_rater"]["r5"] == 2           # r5: the contested two
     # the admin page says so
     from fastapi.testclient import TestClient
 
@@ -119,6 +123,34 @@ def test_a_batch_of_fixed_r_is_served_as_before(db, tmp_path):
     with db.read() as s:
         assert not s.scalars(select(Item).where(Item.settled.is_(True))).all()
     assert given == 9
+
+
+def test_answers_are_counted_as_pairwise_judgements(db, tmp_path):
+    """A ranking of K is K - 1 judgements, a tie 1, a skip none; gold items count (they were spent)."""
+    folder = candidates_folder(tmp_path / "c", prompts=3, k=3)
+    rows = [json.loads(x) for x in (folder / "candidates.jsonl").read_text().splitlines()]
+    gold = tmp_path / "gold.jsonl"
+    p0 = [r["id"] for r in rows if r["prompt_id"] == "p000"]
+    gold.write_text(json.dumps({"prompt_id": "p000", "order": p0}) + "\n")
+    import_batch(db, "ranks", [str(folder)], "ranking", raters=2, gold_rate=0.5, gold=str(gold), seed=0)
+    ids = _ids(db)
+    spent = {}
+    for name, outcomes in (("r1", ["ranked", "ranked", "ranked"]), ("r2", ["skip", "ranked", "ranked"])):
+        spent[name] = 0
+        for step, outcome in enumerate(outcomes):
+            served = next_item(db, ids[name])
+            if served is None:
+                break
+            order = [v[0] for v in served.item.images] if outcome == "ranked" else []
+            answer(db, ids[name], served.assignment, f"{name}-{step}", order, outcome, {})
+            spent[name] += 2 if outcome == "ranked" else 0
+    with db.read() as s:
+        batch = s.scalar(select(RatingBatch).where(RatingBatch.name == "ranks"))
+        cost = judgements(s, batch)
+        n_gold = s.scalar(select(func.count(Answer.id)).join(Item, Item.id == Answer.item_id)
+                          .where(Item.batch_id == batch.id, Item.gold.is_not(None), Answer.outcome != "skip"))
+    assert cost["by_rater"] == spent and cost["judgements"] == sum(spent.values()) > 0
+    assert cost["gold"] == 2 * n_gold
 
 
 def test_bad_stopping_settings_are_refused_naming_the_option(tmp_path):

@@ -110,6 +110,22 @@ def batch_progress(s, batch: RatingBatch) -> dict:
     return out
 
 
+def judgements(s, batch: RatingBatch) -> dict:
+    """What a batch cost its raters, in pairwise judgements: an answer to an item of K candidates counts K - 1 (a
+    ranking of 4 is 3 judgements; a pairwise answer, a tie and "both bad" 1), a skip none. Gold items and flagged
+    raters' answers count: they were spent. ``by_rater``: each rater's share; ``gold``: the part on gold items."""
+    rows = s.execute(select(Answer.outcome, Item.images, Item.gold, User.name)
+                     .join(Item, Item.id == Answer.item_id).join(User, User.id == Answer.rater_id)
+                     .where(Item.batch_id == batch.id)).all()
+    total, gold, by_rater = 0, 0, defaultdict(int)
+    for outcome, images, gold_order, name in rows:
+        n = 0 if outcome == "skip" else max(1, len(images) - 1)
+        total += n
+        gold += n if gold_order is not None else 0
+        by_rater[name] += n
+    return {"judgements": total, "gold": gold, "answers": len(rows), "by_rater": dict(sorted(by_rater.items()))}
+
+
 def batch_figures(s, batch: RatingBatch, exclude: set[str]) -> dict:
     rows = [(a, i, n) for a, i, n in _load(s, [batch.id]) if i.gold is None and n not in exclude]
     alpha = {}
