@@ -75,6 +75,26 @@ def test_a_round_through_the_app_with_scripted_raters_resumes_at_any_stage(tmp_p
                 "auto:solo", "--raters-per-item", "2"], tmp_path, check=False)
     assert bad.returncode == 2 and "1 automatic rater(s) for --raters-per-item 2" in bad.stderr
 
+    # Fewer answers: pairwise items, one pair a prompt chosen by the model for 4 of the 6 prompts, each served
+    # until its answers settle it (at least 2 raters, at most 3); every answer one judgement.
+    pairwise = ["align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate2.db", "--out", "chosen", "--k", "3",
+                "--kind", "pairwise", "--select-items", "4", "--stop-confidence", "0.9", "--raters-per-item", "3",
+                "--rater", "auto:ann:light", "--rater", "auto:ben:light", "--rater", "auto:spam:random",
+                "--eval-n", "4", "--until", "rated"]
+    _cli(pairwise, tmp_path)
+    record = json.loads((tmp_path / "chosen" / "round_001" / "round.json").read_text())
+    batch, rated = record["stages"]["batch"], record["stages"]["rated"]
+    assert batch["selected"]["items"] == 4 and batch["selected"]["rule"] == "spread" and batch["items"] == 4
+    assert batch["stop_confidence"] == 0.9
+    lines = (tmp_path / "chosen" / "round_001" / "selected" / "candidates.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and len({json.loads(x)["prompt_id"] for x in lines}) == 4
+    cost = rated["cost"]
+    assert 8 <= cost["judgements"] <= 12 and cost["judgements"] <= cost["answers"]
+    assert rated["batch"]["complete"] == 4
+    bad = _cli(["align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate3.db", "--out", "r3",
+                "--select-items", "2"], tmp_path, check=False)
+    assert bad.returncode == 2 and "add --kind pairwise" in bad.stderr
+
 
 def test_gold_prompts_are_drawn_apart_from_the_validation_split(tmp_path):
     """Gold prompts (left out of the pairs) and the validation split are independent draws: the same hash would

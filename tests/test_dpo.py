@@ -172,6 +172,81 @@ def test_pickapic_layout_is_read_and_ties_dropped(tmp_path):
         assert a.size == (32, 32) and np.asarray(a).mean() < 60 and np.asarray(b).mean() > 150
 
 
+def test_select_asks_one_pair_a_prompt_the_pairs_farthest_apart(world, tmp_path):
+    """``difftrain select``: for each prompt the two candidates farthest apart (the tiny model's autoencoder is a
+    pixel unshuffle, so the distance is the images' own), the prompts whose pairs are farthest apart first; a
+    candidates folder the rating app imports as one pairwise item a prompt. Hostile rows are refused, nothing
+    written."""
+    from itertools import combinations
+
+    from difftrain_rate.batches import import_batch
+    from difftrain_rate.db import Database, upgrade
+
+    rows = [json.loads(x) for x in (world / "cands" / "candidates.jsonl").read_text().splitlines()]
+
+    def pixels(r):
+        return np.concatenate([np.asarray(Image.open(world / "cands" / f).convert("RGB"), np.float64).ravel()
+                               for f in (r["frames"] or [r["image"]])]) / 127.5
+
+    by: dict[str, list] = {}
+    for r in rows:
+        by.setdefault(r["prompt_id"], []).append(r)
+    best = {}
+    for pid, cs in by.items():
+        d, a, b = max((np.sqrt(np.mean((pixels(x) - pixels(y)) ** 2)), x["id"], y["id"])
+                      for x, y in combinations(cs, 2))
+        best[pid] = (d, {a, b})
+    top = sorted(best, key=lambda p: -best[p][0])[:5]
+    out = json.loads(_cli(["select", "cands", "--items", "5", "--out", str(tmp_path / "sel")], world)
+                     .stdout.splitlines()[-1])
+    assert out == {"out": str(tmp_path / "sel"), "rule": "spread", "items": 5, "prompts": 8, "candidates": 10}
+    got = [json.loads(x) for x in (tmp_path / "sel" / "candidates.jsonl").read_text().splitlines()]
+    chosen: dict[str, set] = {}
+    for r in got:
+        chosen.setdefault(r["prompt_id"], set()).add(r["id"])
+        for f in [r["image"], r["source"], *r["frames"]]:
+            assert not f or (tmp_path / "sel" / f).is_file()
+    assert set(chosen) == set(top) and all(chosen[p] == best[p][1] for p in top)
+    assert sorted(r["k"] for r in got) == [0] * 5 + [1] * 5
+    # the copies are the same images
+    orig = {r["id"]: r for r in rows}
+    for r in got:
+        assert np.array_equal(pixels({**r, "frames": [str(tmp_path / "sel" / f) for f in r["frames"]],
+                                      "image": str(tmp_path / "sel" / r["image"])}), pixels(orig[r["id"]]))
+    manifest = json.loads((tmp_path / "sel" / "manifest.json").read_text())
+    assert manifest["k"] == 2 and manifest["selected"]["rule"] == "spread"
+    assert manifest["selected"]["spread"] == sorted(manifest["selected"]["spread"], reverse=True)
+    db_url = str(tmp_path / "rate.db")
+    upgrade(db_url)
+    made = import_batch(Database(db_url), "chosen", [str(tmp_path / "sel")], "pairwise", raters=2, seed=0)
+    assert made["items"] == 5
+    # random: the same layout; hostile input refused naming the file, nothing written
+    out = json.loads(_cli(["select", "cands", "--items", "99", "--rule", "random", "--out", str(tmp_path / "rnd")],
+                          world).stdout.splitlines()[-1])
+    assert out["items"] == 8
+    bad = _cli(["select", "cands", "--items", "2", "--out", str(tmp_path / "sel")], world, check=False)
+    assert bad.returncode == 2 and "exists and is not empty" in bad.stderr
+    bad = _cli(["select", "cands", "--items", "0", "--out", str(tmp_path / "z")], world, check=False)
+    assert bad.returncode == 2 and "--items 0" in bad.stderr
+    import shutil
+
+    evil = tmp_path / "evil"
+    shutil.copytree(world / "cands", evil)
+    lines = (evil / "candidates.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    for field, value in (("image", "../../../etc/passwd"), ("image", "/etc/hostname"), ("source", "../base.toml")):
+        (evil / "candidates.jsonl").write_text("\n".join([json.dumps({**first, field: value, "frames": []})]
+                                                         + lines[1:]) + "\n")
+        for rule in ("spread", "random"):
+            bad = _cli(["select", str(evil), "--items", "99", "--rule", rule, "--out", str(tmp_path / "x")], world,
+                       check=False)
+            assert bad.returncode == 2 and "candidates.jsonl" in bad.stderr and repr(value) in bad.stderr, bad.stderr
+            assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp*"))
+    (evil / "manifest.json").write_text("{not json")
+    bad = _cli(["select", str(evil), "--items", "1", "--out", str(tmp_path / "x")], world, check=False)
+    assert bad.returncode == 2 and "manifest.json: not JSON" in bad.stderr
+
+
 def _dpo_cfg(world: Path, name: str, *extra: str) -> str:
     cfg = load_config(None, TINY + ["train.threads=1", "train.ema_decay=0", "train.steps=6", "train.checkpoint_every=2",
                                     "train.keep_checkpoints=5", "train.lr=3e-4", "train.warmup_steps=0",

@@ -66,7 +66,29 @@ def add_parsers(sub, add_set) -> None:
     p.add_argument("--until", default=None, choices=("candidates", "batch", "rated", "pairs", "dpo"),
                    help="stop after this stage of the current round (rerun to go on)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kind", default="ranking", choices=("ranking", "pairwise"),
+                   help="ranking: one item a prompt, its K candidates ordered; pairwise: one item a pair (with "
+                        "--k 2, one a prompt: the Pick-a-Pic layout; raters may answer a tie)")
+    p.add_argument("--stop-confidence", type=float, default=None,
+                   help="adaptive stopping: an item is served no more once its answers settle every pair at this "
+                        "confidence (R is then the most an item gets)")
+    p.add_argument("--min-raters", type=int, default=None, help="with --stop-confidence: the least (default 2)")
+    p.add_argument("--select-items", type=int, default=0,
+                   help="ask about this many pairs chosen by the model ('difftrain select'), one a prompt, "
+                        "instead of every pair (with --kind pairwise)")
+    p.add_argument("--select-rule", default="spread", choices=("spread", "random"),
+                   help="how the pairs are chosen (default spread: the pairs farthest apart in the model's latents)")
     add_set(p)
+
+    p = sub.add_parser("select", help="choose the pairs to ask raters about from a candidates folder",
+                       description="Pairs chosen by the model: one pair a prompt, the ITEMS pairs farthest apart in "
+                                   "the checkpoint's latent space (rule spread), written as a candidates folder the "
+                                   "rating app imports as a pairwise batch (docs/rating.md).")
+    p.add_argument("candidates", help="the candidates folder ('difftrain candidates')")
+    p.add_argument("--items", type=int, required=True, help="pairs to ask about (at most one a prompt)")
+    p.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    p.add_argument("--rule", default="spread", choices=("spread", "random"))
+    p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("rate", add_help=False,
                        help="the rating app: serve, user, import, figures, upgrade (as difftrain-rate) and export "
@@ -117,8 +139,16 @@ def cmd_align(args) -> int:
         check_positive("--" + name.replace("_", "-"), getattr(args, name))
     records = run_rounds(args.config, args.prompts, args.db, args.out, args.rounds, args.k, args.raters_per_item,
                          args.rater, args.app, args.gold, args.gold_measure, args.gold_share, args.gold_rate,
-                         args.eval_n, args.wait, args.overrides, args.seed, args.until)
+                         args.eval_n, args.wait, args.overrides, args.seed, args.until, args.kind,
+                         args.min_raters, args.stop_confidence, args.select_items, args.select_rule)
     print(json.dumps({"rounds": len(records), "last": records[-1] if records else None}))
+    return 0
+
+
+def cmd_select(args) -> int:
+    from difftrain.align.select import select_pairs
+
+    print(json.dumps(select_pairs(args.candidates, args.out, args.items, args.rule, args.seed)))
     return 0
 
 
@@ -167,4 +197,5 @@ def cmd_rate(args) -> int:
     return 0
 
 
-VERBS = {"candidates": cmd_candidates, "pairs": cmd_pairs, "align": cmd_align, "rate": cmd_rate}
+VERBS = {"candidates": cmd_candidates, "pairs": cmd_pairs, "align": cmd_align, "select": cmd_select,
+         "rate": cmd_rate}

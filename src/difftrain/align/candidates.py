@@ -270,9 +270,13 @@ def read_candidates(out: str | Path) -> tuple[dict, list[dict]]:
     if not mpath.is_file() or not cpath.is_file():
         raise UserError(f"{d}: not a candidates folder (expected manifest.json and candidates.jsonl, written by "
                         "'difftrain candidates')")
-    manifest = json.loads(mpath.read_text())
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{mpath}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{mpath}: not JSON") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise UserError(f"{mpath}: format {got!r}, expected {FORMAT!r}")
     rows = []
     for n, raw in enumerate(cpath.read_text(encoding="utf-8").splitlines(), 1):
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import threading
@@ -131,7 +132,7 @@ def _wait_rated(db, batch: str, raters: list[tuple[str, str]], app_url: str | No
     from difftrain.align.raters import answer_all
     from difftrain_rate.auth import add_user, new_token
     from difftrain_rate.db import RatingBatch, User
-    from difftrain_rate.report import batch_figures, batch_progress, rater_quality
+    from difftrain_rate.report import batch_figures, batch_progress, judgements, rater_quality
 
     app = None
     threads: list[threading.Thread] = []
@@ -186,14 +187,17 @@ def _wait_rated(db, batch: str, raters: list[tuple[str, str]], app_url: str | No
         quality = rater_quality(s)
         b = s.scalar(select(RatingBatch).where(RatingBatch.name == batch))
         fig = batch_figures(s, b, {n for n, r in quality.items() if r["flagged"]})
-    return {"figures": fig, "raters": quality}
+        cost = judgements(s, b)
+    return {"figures": fig, "raters": quality, "cost": cost}
 
 
 def run_rounds(cfg_path: str, prompts: str, db_url: str, out: str, rounds: int = 1, k: int = 4,
                raters_per_item: int = 3, raters: list[str] | None = None, app: str | None = None,
                gold: str | None = None, gold_measure: str = "light", gold_share: float = 0.0, gold_rate: float = 0.0,
                eval_n: int = 64, wait: float = 7 * 24 * 3600, overrides: list[str] | None = None,
-               seed: int = 0, until: str | None = None) -> list[dict]:
+               seed: int = 0, until: str | None = None, kind: str = "ranking", min_raters: int | None = None,
+               stop_confidence: float | None = None, select_items: int = 0,
+               select_rule: str = "spread") -> list[dict]:
     from difftrain_rate.batches import import_batch
     from difftrain_rate.cli import _db
     from difftrain_rate.errors import RateError
@@ -210,6 +214,10 @@ def run_rounds(cfg_path: str, prompts: str, db_url: str, out: str, rounds: int =
         raise UserError(f"--prompts {prompts}: no such file")
     if until is not None and until not in STAGES:
         raise UserError(f"--until {until!r}: expected one of {STAGES}")
+    if kind not in ("ranking", "pairwise"):
+        raise UserError(f"--kind {kind!r}: expected 'ranking' or 'pairwise'")
+    if select_items and kind != "pairwise":
+        raise UserError(f"--select-items {select_items}: chosen pairs are pairwise items (add --kind pairwise)")
     auto = [parse_rater(r) for r in raters or []]
     if auto and len(auto) < raters_per_item:
         raise UserError(f"{len(auto)} automatic rater(s) for --raters-per-item {raters_per_item}: each item needs "
@@ -243,22 +251,32 @@ def run_rounds(cfg_path: str, prompts: str, db_url: str, out: str, rounds: int =
 
             with db.read() as s:
                 have = s.scalar(select(RatingBatch).where(RatingBatch.name == batch)) is not None
-            gold_path = gold or _gold_file(cands, gold_measure, gold_share, round_seed, r.dir / "gold.jsonl")
+            folder, selected = cands, None
+            if select_items:             # the pairs the model chooses: a candidates folder of one pair a prompt
+                from difftrain.align.select import select_pairs
+
+                folder = r.dir / "selected"
+                if (folder / "manifest.json").is_file():
+                    selected = json.loads((folder / "manifest.json").read_text())["selected"]
+                else:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    selected = select_pairs(cands, folder, select_items, select_rule, seed=round_seed)
+            gold_path = gold or _gold_file(folder, gold_measure, gold_share, round_seed, r.dir / "gold.jsonl")
             made = {"batch": batch, "existing": True}
             if not have:
                 try:
-                    made = import_batch(db, batch, [str(cands)], "ranking", raters_per_item,
+                    made = import_batch(db, batch, [str(folder)], kind, raters_per_item,
                                         gold_rate if gold_path else 0.0, str(gold_path) if gold_path else None,
-                                        seed=round_seed)
+                                        seed=round_seed, min_raters=min_raters, stop_confidence=stop_confidence)
                 except RateError as e:
                     raise UserError(str(e)) from None
-            r.finish("batch", **made, gold=str(gold_path) if gold_path else None)
+            r.finish("batch", **made, gold=str(gold_path) if gold_path else None, selected=selected)
         if until == "batch":             # people rate now; rerun 'difftrain align' to wait for them and go on
             return records + [r.record]
         if not r.done("rated"):
             t = time.time()
             rated = _wait_rated(db, batch, auto, app, wait, round_seed)
-            r.finish("rated", batch=rated["figures"], raters=rated["raters"],
+            r.finish("rated", batch=rated["figures"], raters=rated["raters"], cost=rated["cost"],
                      automatic=[f"{n}:{p}" for n, p in auto], seconds=round(time.time() - t, 1))
         if until == "rated":
             return records + [r.record]
