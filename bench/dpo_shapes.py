@@ -42,8 +42,10 @@ import numpy as np
 ACCS = ("color", "position", "shape")
 
 def cli(*args: str, cwd: Path) -> str:
-    out = subprocess.run([sys.executable, "-m", "difftrain", *args], cwd=cwd, check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-m", "difftrain", *args], cwd=cwd, capture_output=True, text=True)
+    if out.returncode:
+        sys.stderr.write(out.stderr[-4000:])
+        raise SystemExit(f"difftrain {args[0]} failed in {cwd} (exit {out.returncode})")
     return out.stdout
 
 
@@ -81,6 +83,8 @@ def paired_eval(run: Path, n: int, world_seed: int, use_ema: bool) -> dict:
     world = world_from_config(cfg.data, world_seed)
     _, gens = evaluate(pipe, world, n, cfg.sample.steps, guidance_scale(cfg, None), cfg.sample.seed,
                        tasks=("t2i", "edit"), heldout=False)
+    from difftrain.align.raters import MEASURES, preferred
+
     t2i = [g for g in gens if g.task == "t2i"]
     edit = [g for g in gens if g.task == "edit"]
     mid = sum(cfg.data.background) / 2
@@ -88,6 +92,8 @@ def paired_eval(run: Path, n: int, world_seed: int, use_ema: bool) -> dict:
     out["edit"] = np.array([bool(g.score["ok"]) for g in edit])
     out["shade"] = np.array([background_shade(g.images[-1]) for g in t2i])
     out["preferred"] = out["shade"] > mid
+    for m, f in MEASURES.items():            # each free attribute: in the preferred quarter of its range or not
+        out[f"quarter_{m}"] = np.array([preferred(m, f(g.images[-1]), tuple(cfg.data.background)) for g in t2i])
     return out
 
 
@@ -185,6 +191,134 @@ def one_round(base: Path, root: Path, seed: int, args) -> dict:
     return out
 
 
+# --efficiency: what each way of asking costs in human answers and what it buys (issue: fewer answers, more gain)
+RATERS = ("auto:direct:{m}", "auto:noisy1:noisy-{m}", "auto:noisy2:noisy-{m}", "auto:spammer:random")
+METHODS = {
+    # name: [(share of --prompts, k, kind, stop_confidence, pairs chosen as a share of --prompts), ...]: the runs
+    # behind a method's curve
+    "today": [(1.0, 4, "ranking", None, 0.0)],                       # K = 4 ranked by R = 3, every pair derived
+    "adaptive": [(1.0, 4, "ranking", 0.9, 0.0)],                     # stop at M = 2 once clear, R = 3 the most
+    "active_pairs": [(1.0, 4, "pairwise", 0.9, f) for f in (0.25, 0.5)],          # one chosen pair a prompt
+    "pickapic": [(1.0, 2, "pairwise", None, 0.0)],                   # K = 2 with ties, R = 3
+}
+
+
+def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int, before: dict, args) -> dict:
+    """One round through the app for one preference and one way of asking; its cost in judgements and its gain."""
+    from difftrain.config import from_dict, load_config, preset_path, to_toml
+    from difftrain.shapes import world_from_config
+    from difftrain.train.checkpoint import Checkpointer
+
+    share, k, kind, stop, chosen = spec
+    prompts, select = max(2, round(share * args.prompts)), round(chosen * args.prompts)
+    label = f"{prompts} prompts, K = {k}, {kind}" + (f", stop at {stop}" if stop else "") + \
+        (f", {select} pairs chosen" if select else "")
+    done = root / "result.json"
+    if done.is_file():                    # a rerun of the bench with --dir keeps finished runs
+        return json.loads(done.read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    base_cfg = from_dict(Checkpointer.read_info(base)["config"], "base")
+    world = world_from_config(base_cfg.data, 9000 + seed)
+    (root / "prompts.txt").write_text("".join(world.prompt("t2i", i) + "\n" for i in range(prompts)))
+    cfg = load_config(preset_path(args.config), [f"run.seed={seed}", f'dpo.init="{base}"', *args.overrides])
+    (root / "dpo.toml").write_text(to_toml(cfg))
+    extra = ["--kind", kind] + (["--stop-confidence", str(stop), "--min-raters", "2"] if stop else []) + \
+        (["--select-items", str(select)] if select else [])
+    raters = [a for r in RATERS for a in ("--rater", r.format(m=measure))]
+    t0 = time.perf_counter()
+    cli("align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", str(k),
+        "--raters-per-item", "3", *raters, "--gold-share", "0.15", "--gold-measure", measure, "--gold-rate", "0.2",
+        "--eval-n", "0", "--seed", str(seed), *extra, cwd=root)
+    wall = time.perf_counter() - t0
+    st = json.loads((root / "rounds" / "round_001" / "round.json").read_text())["stages"]
+    after = paired_eval(Path(st["dpo"]["run"]), args.n, base_cfg.eval.seed, use_ema=False)
+    b, a = dict(before), dict(after)
+    b["preferred"], a["preferred"] = before[f"quarter_{measure}"], after[f"quarter_{measure}"]
+    cmp = compare(b, a, np.random.default_rng(seed))
+    out = {"label": label, "prompts": prompts, "k": k, "kind": kind, "stop_confidence": stop,
+           "select_items": select, "judgements": st["rated"]["cost"]["judgements"],
+           "gold_judgements": st["rated"]["cost"]["gold"], "by_rater": st["rated"]["cost"]["by_rater"],
+           "pairs": st["pairs"].get("pairs"), "ties_dropped": st["pairs"].get("ties_dropped"),
+           "gain_pp": cmp["preferred_rate_gain_pp"], "preferred_rate_after": cmp["preferred_rate_after"],
+           "acc_drop_pp": cmp["prompt_acc_drop_pp"], "acc_drop_upper95_pp": cmp["prompt_acc_drop_upper95_pp"],
+           "acc_drop_by_task_pp": cmp["acc_drop_pp"], "spammer_flagged": st["rated"]["raters"]["spammer"]["flagged"],
+           "round_seconds": round(wall, 1)}
+    done.write_text(json.dumps(out))
+    return out
+
+
+def summarize_method(runs: list[dict], today_answers: int) -> dict:
+    """The issue's figures of one method from its runs (each with its share of today's answers)."""
+    for r in runs:
+        r["answers_fraction"] = round(r["judgements"] / today_answers, 4)
+    reach = [r for r in runs if r["gain_pp"] >= 40]
+    first = min(reach, key=lambda r: r["answers_fraction"]) if reach else None
+    within = [r for r in runs if r["judgements"] <= today_answers]
+    at_today = max(within, key=lambda r: (r["judgements"], r["gain_pp"])) if within else None
+    behind = [r for r in (first, at_today) if r is not None]
+    return {"answers_fraction_for_40pp": first["answers_fraction"] if first else None,
+            "gain_pp_at_todays_answers": at_today["gain_pp"] if at_today else None,
+            "answers_fraction_at_todays_answers": at_today["answers_fraction"] if at_today else None,
+            "acc_drop_pp": max((r["acc_drop_pp"] for r in behind), default=None),
+            "acc_drop_upper95_pp": max((r["acc_drop_upper95_pp"] for r in behind), default=None),
+            "runs": runs}
+
+
+def plot_efficiency(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prefs = result["preferences"]
+    fig, axes = plt.subplots(1, len(prefs), figsize=(4.2 * len(prefs), 3.6), sharey=True, squeeze=False)
+    for ax, (pref, methods) in zip(axes[0], prefs.items()):
+        for name, m in methods.items():
+            xs = [r["answers_fraction"] for r in m["runs"]]
+            ys = [r["gain_pp"] for r in m["runs"]]
+            order = np.argsort(xs)
+            ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o", label=name)
+        ax.axhline(40, color="grey", lw=0.8, ls="--")
+        ax.axvline(0.25, color="grey", lw=0.8, ls=":")
+        ax.set_title(f"{pref} (before {result['preferred_rate_before'][pref]:.2f})")
+        ax.set_xlabel("human judgements / today's round")
+    axes[0][0].set_ylabel("preference gain (points)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def efficiency(args, root: Path, base: Path) -> dict:
+    from difftrain.config import from_dict
+    from difftrain.train.checkpoint import Checkpointer
+
+    t0 = time.perf_counter()
+    base_cfg = from_dict(Checkpointer.read_info(base)["config"], "base")
+    before = paired_eval(base, args.n, base_cfg.eval.seed, use_ema=True)
+    seed = args.seeds[0]
+    out: dict = {"preferences": {}, "preferred_rate_before": {}}
+    for measure in args.preferences:
+        out["preferred_rate_before"][measure] = round(float(before[f"quarter_{measure}"].mean()), 4)
+        runs = {}
+        for name in args.methods:
+            runs[name] = []
+            for i, spec in enumerate(METHODS[name]):
+                r = efficiency_run(base, root / f"eff-{measure}" / f"{name}-{i}", measure, spec, seed, before, args)
+                print(json.dumps({"preference": measure, "method": name, **r}), flush=True)
+                runs[name].append(r)
+        today = runs["today"][0]["judgements"]
+        out["preferences"][measure] = {name: summarize_method(rs, today) for name, rs in runs.items()}
+        out["preferences"][measure]["today_judgements"] = today
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["settings"] = {"base": str(base), "seed": seed, "n": args.n, "config": args.config,
+                       "overrides": args.overrides, "raters": list(RATERS), "gold": "15% of prompts, rate 0.2",
+                       "methods": {k: [list(s) for s in v] for k, v in METHODS.items() if k in args.methods}}
+    if args.plot:
+        plot_efficiency({**out, "preferences": {p: {k: v for k, v in m.items() if k != "today_judgements"}
+                                                for p, m in out["preferences"].items()}}, Path(args.plot))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="demo-out/run", help="the checkpoint (run directory) DPO starts from")
@@ -198,12 +332,24 @@ def main() -> None:
     ap.add_argument("--config", default="shapes-dpo", help="the DPO config (preset name or path; default shapes-dpo)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--efficiency", action="store_true",
+                    help="answers against gain: each preference x each way of asking, through the app (one seed)")
+    ap.add_argument("--preferences", nargs="+", default=["light", "left", "high"],
+                    help="--efficiency: the free attributes raters prefer (light, left, high)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+                    help="--efficiency: the ways of asking (today is always run: the others are counted against it)")
+    ap.add_argument("--plot", default=None, help="--efficiency: write the curves (answers -> gain) to this PNG")
     args = ap.parse_args()
+    if args.efficiency and "today" not in args.methods:
+        args.methods = ["today", *args.methods]
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(args.dir) if args.dir else Path(tmp)
         base = base_checkpoint(args, root)
+        if args.efficiency:
+            print(json.dumps(efficiency(args, root, base)))
+            return
         rounds = []
         for seed in args.seeds:
             r = (app_round if args.rater == "app" else one_round)(base, root / f"seed{seed}", seed, args)
