@@ -116,3 +116,25 @@ def test_gold_prompts_are_drawn_apart_from_the_validation_split(tmp_path):
     assert 100 < len(gold) < 200 and 60 < len(validation) < 140
     rest = validation - gold
     assert 0.8 * len(validation) * 0.85 < len(rest) < 1.2 * len(validation) * 0.85      # independent: ~85% left
+
+
+def test_gold_pairs_the_measure_cannot_tell_apart_are_left_out(tmp_path):
+    """A pair whose shades differ by less than the measure's just-noticeable difference is no gold question: an
+    honest rater calls it a tie and would be flagged for it. Rankings keep their gold."""
+    import numpy as np
+    from PIL import Image
+
+    from difftrain.align.loop import _gold_file
+
+    (tmp_path / "images").mkdir()
+    rows = []
+    for p in range(40):
+        shades = (120, 121) if p % 2 else (110, 150)              # odd prompts: one grey level apart
+        for j, shade in enumerate(shades):
+            Image.fromarray(np.full((16, 16, 3), shade, np.uint8)).save(tmp_path / "images" / f"{p}-{j}.png")
+            rows.append({"id": f"p{p:03d}-{j}", "prompt_id": f"p{p:03d}", "image": f"images/{p}-{j}.png"})
+    (tmp_path / "candidates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gold = [json.loads(x) for x in _gold_file(tmp_path, "light", 0.99, 0, tmp_path / "g.jsonl").read_text()
+            .splitlines()]
+    assert len(gold) >= 15 and all(int(g["prompt_id"][1:]) % 2 == 0 for g in gold)
+    assert all(g["order"] == [f"{g['prompt_id']}-1", f"{g['prompt_id']}-0"] for g in gold)   # the lighter first

@@ -2,9 +2,11 @@
 
 A round, in ``OUT/round_NNN/``:
 1. ``candidates``: K candidates a prompt from the round's checkpoint (``difftrain candidates``);
-2. ``batch``: the candidates imported into the rating app's database as a ranking batch (R raters an item,
-   optionally gold items at a rate);
-3. ``rated``: wait until every item has its R answers; with ``--rater auto:NAME[:POLICY]`` scripted raters answer
+2. ``batch``: the candidates imported into the rating app's database as a ranking batch, or a pairwise one
+   (``--kind``; with ``--select-items N`` only N pairs, one a prompt, chosen by ``difftrain select`` into
+   ``selected/``), R raters an item (with ``--stop-confidence`` the most: adaptive stopping), optionally gold
+   items at a rate;
+3. ``rated``: wait until every item has its answers (and record their cost in pairwise judgements); with ``--rater auto:NAME[:POLICY]`` scripted raters answer
    through the app's HTTP API meanwhile (the app at ``--app``, or one started here on the database);
 4. ``pairs``: the answers -> the pairs file (``difftrain rate export``'s rules: majority over raters, ties dropped,
    raters flagged by gold left out);
@@ -99,7 +101,8 @@ class LocalApp:
 
 
 def _gold_file(cands: Path, measure: str, share: float, seed: int, out: Path) -> Path | None:
-    """Gold orders for a share of the prompts, from a measure of the candidates' pixels."""
+    """Gold orders for a share of the prompts, from a measure of the candidates' pixels (pairs closer than the
+    measure's just-noticeable difference left out)."""
     if not share:
         return None
     import hashlib
@@ -119,8 +122,14 @@ def _gold_file(cands: Path, measure: str, share: float, seed: int, out: Path) ->
         if pick < share:
             with Image.open(cands / r["image"]) as im:
                 by.setdefault(r["prompt_id"], []).append((MEASURES[measure](np.asarray(im.convert("RGB"))), r["id"]))
+    from difftrain.align.raters import JND
+
     with out.open("w") as f:
         for pid, xs in sorted(by.items()):
+            # a pair the measure cannot tell apart is no gold question: an honest rater calls it a tie, and would be
+            # flagged for it (a ranking asks for a full order and keeps its gold)
+            if len(xs) == 2 and abs(xs[0][0] - xs[1][0]) < JND[measure]:
+                continue
             f.write(json.dumps({"prompt_id": pid, "order": [c for _, c in sorted(xs, key=lambda x: -x[0])]}) + "\n")
     return out
 
@@ -149,15 +158,26 @@ def _wait_rated(db, batch: str, raters: list[tuple[str, str]], app_url: str | No
                     exists = s.scalar(select(User).where(User.name == name)) is not None
                 if not exists:
                     add_user(db, name, secrets.token_urlsafe(24), "rater")
+            tokens = {name: new_token(db, name) for name, _ in raters}
+
+        def start_pass(n: int) -> list[threading.Thread]:
+            """Every scripted rater answers until nothing is left for it. A rater stops when nothing is served to it
+            at that moment; an item can open again later (a rater flagged by gold no longer counts towards it, an
+            assignment expires), so a pass that ran out with items open is followed by another."""
+            out = []
             for i, (name, policy) in enumerate(raters):
-                token = new_token(db, name)
+                def work(name=name, policy=policy, i=i):
+                    answered[name] = answered.get(name, 0) + answer_all(app_url, tokens[name], policy,
+                                                                        seed * 100 + i + 1000 * n)
 
-                def work(name=name, policy=policy, token=token, i=i):
-                    answered[name] = answer_all(app_url, token, policy, seed * 100 + i)
-
-                threads.append(threading.Thread(target=work, daemon=True))
-            for t in threads:
+                out.append(threading.Thread(target=work, daemon=True))
+            for t in out:
                 t.start()
+            return out
+
+        passes, pass_answers = 0, -1
+        if raters:
+            threads = start_pass(0)
         deadline = time.time() + timeout
         last = None
         while True:
@@ -172,8 +192,11 @@ def _wait_rated(db, batch: str, raters: list[tuple[str, str]], app_url: str | No
                 last = (fig["complete"], fig["answers"])
             if (threads and not any(t.is_alive() for t in threads)
                     and fig["complete"] + fig["given_up"] < fig["items"]):
-                raise UserError(f"batch {batch}: the automatic raters ran out of items with {fig['complete']} of "
-                                f"{fig['items']} complete: give more raters than --raters-per-item")
+                if fig["answers"] == pass_answers:          # a whole pass answered nothing: no one can
+                    raise UserError(f"batch {batch}: the automatic raters ran out of items with {fig['complete']} "
+                                    f"of {fig['items']} complete: give more raters than --raters-per-item")
+                passes, pass_answers = passes + 1, fig["answers"]
+                threads = start_pass(passes)
             if time.time() > deadline:
                 raise UserError(f"batch {batch}: {fig['complete']} of {fig['items']} items rated after "
                                 f"{timeout:.0f} s; rerun 'difftrain align' to keep waiting")
