@@ -21,7 +21,8 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
 # Keys added after a checkpoint was written, with the value that computes what that checkpoint's release did:
 # a saved config without the key and a run with that value are the same run.
 EARLIER_BEHAVIOUR = {"model.positions": "corner", "text.precision": "native", "train.fp8": "none",
-                     "validation.source": ""}
+                     "validation.source": "", "train.optimizer": "adamw", "train.muon_momentum": 0.95,
+                     "train.muon_ns_steps": 5}
 
 
 def _section_defaults(section: str, cls) -> dict:

@@ -188,7 +188,13 @@ class TrainConfig:
                                 "the new end; 'follow' takes the schedule as planned for the new length (the LR jumps to "
                                 "its value there). Either way the resume logs both LRs",
                                 choices=("keep_lr", "follow"), default="keep_lr")
-    weight_decay: float = meta("AdamW weight decay", ge=0, default=0.0)
+    optimizer: str = meta("'adamw' for every parameter; 'muon': Muon (momentum orthogonalised by Newton-Schulz, "
+                          "scaled to AdamW's update RMS, so the same lr and schedule apply) for the 2-D weights inside "
+                          "the transformer blocks and AdamW for the rest (train/muon.py)",
+                          choices=("adamw", "muon"), default="adamw")
+    muon_momentum: float = meta("Muon's (Nesterov) momentum", ge=0, lt=1, default=0.95)
+    muon_ns_steps: int = meta("Newton-Schulz iterations of a Muon update", ge=1, le=20, default=5)
+    weight_decay: float = meta("AdamW weight decay (decoupled; Muon's too)", ge=0, default=0.0)
     beta1: float = meta("AdamW beta1", ge=0, lt=1, default=0.9)
     beta2: float = meta("AdamW beta2", ge=0, lt=1, default=0.999)
     grad_clip: float = meta("clip the global gradient norm to this (0 = off)", ge=0, default=1.0)

@@ -424,6 +424,18 @@ def _suggest(cx: _Ctx, strategies: list[Strategy]) -> tuple[list[dict], str]:
     return out, msg
 
 
+def _muon_note(m, best) -> str:
+    """What planning train.optimizer = 'muon' as AdamW gets wrong, in bytes: less state, one matrix gathered whole."""
+    mats = [(u.count, r * c) for u in (m.double, m.single) for r, c in u.shapes if c > 1]
+    hidden, largest = sum(n * e for n, e in mats), max((e for _, e in mats), default=0)
+    w = 1 if best is None else best.dp_shard * best.cp
+    return (f"train.optimizer = 'muon' is planned as AdamW: Muon keeps 4 bytes, not 8, an element of the blocks' "
+            f"{hidden:,} matrix parameters (the plan overstates the state by {4 * -(-hidden // w) / GiB:.1f} GiB a GPU"
+            + (f" at {best.name}" if best is not None else "") + "), and its step gathers each of those matrices "
+            f"whole in turn (the largest, {largest:,} elements: about {largest * 10 / GiB:.2f} GiB with the "
+            "bf16 Newton-Schulz work, not counted)")
+
+
 def _encoders_note(cfg: Config, a: Assumptions, device: str) -> str:
     if not a.encoders_on_gpu:
         return "no frozen encoders on the GPU (precomputed embeddings)"
@@ -483,6 +495,8 @@ def plan(cfg: Config, gpus: int, gpu_mem_gb: float, nodes: int | None = None, gp
     else:
         best = None
         suggestions, message = _suggest(cx, strategies)
+    if cfg.train.optimizer == "muon":
+        notes.append(_muon_note(model, best))
     if configured is not None and not configured.fits:
         notes.append(f"the config's own settings ({configured.name}) do not fit: "
                      + ("; ".join(configured.problems) or f"{configured.per_gpu_bytes['total'] / GiB:.1f} GiB"))

@@ -307,6 +307,18 @@ class Trainer(TrainerOutputs):
         plain = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.is_floating_point()
                     for p in params)
         self.optimizer_kind = {"fused": True, "foreach": False} if plain else {"fused": None, "foreach": True}
+        if tc.optimizer == "muon":
+            from difftrain.train.muon import MuonAdamW, is_hidden_matrix
+            self.optimizer_kind = {}
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            split: list[dict] = []
+            for (decays, _), ps in groups.items():
+                for muon in (True, False):
+                    sel = [p for p in ps if is_hidden_matrix(names[id(p)], p) == muon]
+                    if sel:
+                        split.append({"params": sel, "weight_decay": tc.weight_decay if decays else 0.0, "muon": muon})
+            return MuonAdamW(split, lr=tc.lr, betas=(tc.beta1, tc.beta2), momentum=tc.muon_momentum,
+                             ns_steps=tc.muon_ns_steps)
         return torch.optim.AdamW(
             [{"params": ps, "weight_decay": tc.weight_decay if decays else 0.0} for (decays, _), ps in groups.items()],
             lr=tc.lr, betas=(tc.beta1, tc.beta2), **self.optimizer_kind)
