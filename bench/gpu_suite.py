@@ -194,6 +194,60 @@ def trainer_run(steps: int, warmup: int, smoke: bool) -> dict:
     return out
 
 
+def muon_run(steps: int, smoke: bool) -> dict:
+    """``train.optimizer = "muon"`` on the device. The Newton-Schulz iteration runs in bf16 on an accelerator (fp32
+    on a CPU): its singular values on a block-sized matrix (FLUX's MLP, 3072 x 12288; 256 x 1024 in smoke) and its
+    distance from the fp32 iteration; then ``Trainer.train_step`` with Muon and with AdamW on one batch of the same
+    model (FSDP2 on one rank, bf16 autocast): the step and optimizer times and whether the losses fall."""
+    import tempfile
+
+    from difftrain.config import load_config, preset_path
+    from difftrain.train import build_trainer
+    from difftrain.train.muon import orthogonalize
+
+    rows = 256 if smoke else 3072
+    g = torch.randn(rows, 4 * rows, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    low = orthogonalize(g)                          # the device's own dtype: bf16 on a GPU
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        orthogonalize(g)
+    sync()
+    ns_s = (time.perf_counter() - t0) / 3
+    full = orthogonalize(g, dtype=torch.float32)
+    sv = torch.linalg.svdvals(low.float())
+    out = {"muon_ns_dtype": "bfloat16" if DEVICE.type == "cuda" else "float32", "muon_ns_ms": round(ns_s * 1e3, 2),
+           "muon_ns_sv_min": round(float(sv.min()), 3), "muon_ns_sv_max": round(float(sv.max()), 3),
+           "muon_ns_rel_to_fp32": round(float((low.float() - full).norm() / full.norm()), 4)}
+    sets = ["train.threads=0", "train.checkpoint_every=0", "train.global_batch=4", "train.ema_decay=0",
+            "train.lr=1e-3", "train.warmup_steps=1"]
+    if not smoke:                      # ~0.6B parameters at 512^2
+        sets += ["model.hidden=1536", "model.heads=12", "model.double_blocks=4", "model.single_blocks=8",
+                 "model.axes_dims_rope=[16, 56, 56]", "data.image_size=512",
+                 "data.t2i_weight=1.0", "data.edit_weight=0.0", "data.keyframe_weight=0.0"]
+    for opt in ("adamw", "muon"):
+        with tempfile.TemporaryDirectory() as run_dir:
+            tr = build_trainer(load_config(preset_path("shapes-tiny"), sets + [f"train.optimizer={opt}"]), run_dir)
+            try:
+                batches = next(tr.loader)
+                losses, optim = [], []
+                tr.train_step(batches)               # warm-up
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(steps + 2):
+                    st = tr.train_step(batches)
+                    losses.append(st.loss)
+                    optim.append(st.optim_s)
+                sync()
+                out[f"muon_trainer_{opt}_step_s"] = round((time.perf_counter() - t0) / (steps + 2), 4)
+                out[f"muon_trainer_{opt}_optim_s"] = round(sum(optim) / len(optim), 4)
+                out[f"muon_trainer_{opt}_losses"] = [round(x, 5) for x in losses]
+            finally:
+                tr.close()
+    out["muon_trainer_loss_falls"] = out["muon_trainer_muon_losses"][-1] < out["muon_trainer_muon_losses"][0]
+    return out
+
+
 def blocking_save(smoke: bool) -> dict:
     """The save path only a GPU takes: ``difftrain train`` with ``train.async_checkpoint = false`` (no stager: the
     writer gets the live device shards and must copy them to the host itself), then ``difftrain sample`` loading
@@ -530,7 +584,7 @@ def main() -> None:
     for key, fn, fargs in (("fp8_train", fp8_train, (bf16_run, args.batch, args.steps, args.warmup, args.smoke)),
                            ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
                            ("fp8_encoder", fp8_encoder, (args.smoke,)), ("adapter", adapter_runs, (args.smoke,)),
-                           ("finetune", finetune_paths, (args.smoke,))):
+                           ("finetune", finetune_paths, (args.smoke,)), ("muon", muon_run, (args.steps, args.smoke))):
         if key == "fp8_train" and bf16_run is None:
             out["error_fp8_train"] = "no bf16 run to compare with"
             continue

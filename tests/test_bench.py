@@ -42,6 +42,10 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
     assert ft["val_rows"] == 2 and ft["val_loss_finite"] and ft["base_preview"], ft
     assert ft["grids"] == ["step_00000002.png", "step_00000004.png"] and ft["mask_on_device"] == "cpu", ft
     assert 0 < ft["counted"] and math.isfinite(ft["val_loss_device"]), ft
+    # Muon: the iteration in the device's dtype (fp32 on a CPU), and the trainer's step with it beside AdamW's
+    assert result["muon_ns_dtype"] == "float32" and 0.4 < result["muon_ns_sv_min"] < result["muon_ns_sv_max"] < 1.3
+    assert result["muon_trainer_loss_falls"] and result["muon_trainer_muon_optim_s"] > 0, result
+    assert len(result["muon_trainer_adamw_losses"]) == len(result["muon_trainer_muon_losses"]) == 3
 
 
 def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):
