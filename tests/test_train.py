@@ -228,3 +228,28 @@ def test_eval_judges_every_bucket_of_the_last_stage(tiny_cfg, monkeypatch):
     assert all(img.shape[:2] == (32, 32) for g in gens for img in g.images)       # scored: the centre square
     mean = np.mean([m["t2i_color_acc"] for m in metrics["by_bucket"].values()])
     assert metrics["t2i_color_acc"] == pytest.approx(mean, abs=1e-4)
+
+
+def test_an_exception_out_of_fit_disarms_the_hang_watchdog(tiny_cfg, tmp_path):
+    """A process that goes on after fit raised (a notebook, a supervisor that catches it) must not be ended by the
+    watchdog hang_seconds later: the thread stops with the fit."""
+    import signal
+
+    tr = build_trainer(tiny_cfg("train.steps=6", "train.checkpoint_every=0", "health.hang_seconds=600"), tmp_path / "r")
+    before = signal.getsignal(signal.SIGTERM)
+
+    class Boom(Exception):
+        pass
+
+    def boom(step, total, stats):
+        if step == 3:
+            assert tr.watchdog._thread.is_alive()          # armed while the fit runs
+            raise Boom
+    try:
+        with pytest.raises(Boom):
+            tr.fit(boom)
+        tr.watchdog._thread.join(timeout=10)
+        assert not tr.watchdog._thread.is_alive()
+        assert signal.getsignal(signal.SIGTERM) == before   # the run's handlers are gone with it
+    finally:
+        tr.close()

@@ -471,28 +471,35 @@ class Trainer(TrainerOutputs):
         when any rank is asked to stop."""
         t_start, stats, last, preempted = time.perf_counter(), None, None, None
         self._begin()
-        while self.step < self.total_steps:
-            fetched = self._fetch()
-            if fetched is None:
-                continue
-            stats = self.train_step(fetched.batches)
-            fetched.step_s = time.perf_counter() - fetched.t0 - fetched.data_s
-            if self._check_health(stats, fetched):
-                continue                              # rolled back: the loop goes on from the checkpoint
-            self._account(stats, fetched)
-            last = fetched
-            if on_step is not None:
-                on_step(self.step, self.total_steps, stats)
-            self._sample()
-            self._validate()
-            preempted = self._stop_requested(stats)
-            if preempted is not None:
-                break
-            self._checkpoint()
-            self._log_step(stats, fetched)
-            if self._stop_early():
-                break
-        return self._finish(preempted, stats, last, t_start)
+        try:
+            while self.step < self.total_steps:
+                fetched = self._fetch()
+                if fetched is None:
+                    continue
+                stats = self.train_step(fetched.batches)
+                fetched.step_s = time.perf_counter() - fetched.t0 - fetched.data_s
+                if self._check_health(stats, fetched):
+                    continue                              # rolled back: the loop goes on from the checkpoint
+                self._account(stats, fetched)
+                last = fetched
+                if on_step is not None:
+                    on_step(self.step, self.total_steps, stats)
+                self._sample()
+                self._validate()
+                preempted = self._stop_requested(stats)
+                if preempted is not None:
+                    break
+                self._checkpoint()
+                self._log_step(stats, fetched)
+                if self._stop_early():
+                    break
+            return self._finish(preempted, stats, last, t_start)
+        except BaseException:
+            # The exception ends this fit: a process that goes on (a notebook, a supervisor that catches it, a test)
+            # must not be killed by the hang watchdog minutes later, nor keep the run's signal handlers.
+            self.watchdog.stop()
+            self.preemption.uninstall()
+            raise
 
     # --- what a trainer of another objective adds (DPO: its reference, validation and early stopping) ------
     dpo_run = False         # DPO's trainer: dpo.reference = 'lora' is an adapter too
