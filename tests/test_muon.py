@@ -1,5 +1,5 @@
-"""train.optimizer = "muon": the Newton-Schulz orthogonalisation, which parameters it takes, a falling loss,
-a crash and resume that continues the same run bit for bit, and two FSDP2 ranks (gloo) that train what one does."""
+"""train.optimizer = "muon": the Newton-Schulz orthogonalisation, which parameters it takes (a repeated batch's
+falling loss: tests/test_train.py), a crash and resume that continues the same run bit for bit, and two FSDP2 ranks (gloo) that train what one does."""
 
 from __future__ import annotations
 
@@ -54,46 +54,13 @@ def test_muon_groups_take_the_block_matrices_and_adamw_the_rest(tiny_cfg, tmp_pa
     assert not is_hidden_matrix("double_blocks.0.img_attn.qkv.lora_A.weight", torch.zeros(2, 2))
 
 
-def test_muon_learns_a_fixed_shapes_batch(tiny_cfg, tmp_path):
-    """The loss of one repeated batch falls by half, as the AdamW test asks (tests/test_train.py)."""
-    from test_train import _fixed_loss
-
-    from difftrain.diffusion.flow import sample_t
-    from difftrain.shapes import world_from_config
-    from difftrain.shapes.loader import make_batch
-    cfg = tiny_cfg("train.steps=200", "train.ema_decay=0", "train.lr=2e-3", "diffusion.prediction=v",
-                   "data.caption_dropout=0", "model.hidden=128", "model.heads=4", "model.axes_dims_rope=[8, 12, 12]",
-                   "train.optimizer=muon")
-    tr = build_trainer(cfg, tmp_path / "run")
-    world = world_from_config(cfg.data, cfg.run.seed)
-    batch = make_batch(world, tr.autoencoder, tr.text_encoder.tokenize, "t2i", list(range(8)))
-    gen = torch.Generator().manual_seed(0)
-    t = sample_t(8, tr.flow, 16, gen)
-    eps = torch.randn(batch.x0_BLC.shape, generator=gen)
-    before = _fixed_loss(tr, batch, t, eps)
-    for _ in range(200):
-        tr.train_step([batch])
-        tr.step += 1
-    after = _fixed_loss(tr, batch, t, eps)
-    assert after <= 0.5 * before, (before, after)
-
-
 def test_a_muon_run_resumes_its_momentum_and_continues_the_same_run(tiny_cfg, tmp_path):
     cfg = tiny_cfg("train.steps=12", "train.checkpoint_every=4", "train.lr=1e-2", "train.optimizer=muon")
     straight = build_trainer(cfg, tmp_path / "a")
     straight.fit()
     final = {k: v.detach().clone() for k, v in straight.model.state_dict().items()}
-
-    class Crash(Exception):
-        pass
-
-    def crash_at_7(step, total, stats):
-        if step == 7:
-            raise Crash
-    crashed = build_trainer(cfg, tmp_path / "b")
-    with pytest.raises(Crash):
-        crashed.fit(crash_at_7)
-    crashed.checkpointer.wait()
+    from test_train import crash_at
+    crash_at(cfg, tmp_path / "b", 7)
     import shutil
     shutil.copytree(tmp_path / "b", tmp_path / "c")
     resumed = build_trainer(cfg, tmp_path / "b")

@@ -21,10 +21,11 @@ def _fixed_loss(tr, batch, t, eps):
         return float(flow_loss(to_velocity(out, xt, t, tr.flow.prediction), batch.x0_BLC, eps, batch.loss_mask_BL))
 
 
-def test_loss_on_a_fixed_shapes_batch_falls_by_half_in_200_steps(tiny_cfg, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_loss_on_a_fixed_shapes_batch_falls_by_half_in_200_steps(tiny_cfg, tmp_path, optimizer):
     cfg = tiny_cfg("train.steps=200", "train.ema_decay=0", "train.lr=2e-3", "diffusion.prediction=v",
                    "data.caption_dropout=0", "model.hidden=128", "model.heads=4",
-                   "model.axes_dims_rope=[8, 12, 12]")
+                   "model.axes_dims_rope=[8, 12, 12]", f"train.optimizer={optimizer}")
     tr = build_trainer(cfg, tmp_path / "run")
     world = world_from_config(cfg.data, cfg.run.seed)
     batch = make_batch(world, tr.autoencoder, tr.text_encoder.tokenize, "t2i", list(range(8)))
@@ -39,23 +40,29 @@ def test_loss_on_a_fixed_shapes_batch_falls_by_half_in_200_steps(tiny_cfg, tmp_p
     assert after <= 0.5 * before, (before, after)
 
 
+class Crash(Exception):
+    pass
+
+
+def crash_at(cfg, run_dir, step: int) -> None:
+    """Train ``cfg`` in ``run_dir`` and raise out of its fit after ``step``, as a crash would."""
+    def hook(s, total, stats):
+        if s == step:
+            raise Crash
+    crashed = build_trainer(cfg, run_dir)
+    with pytest.raises(Crash):
+        crashed.fit(hook)
+    # A save a few steps earlier is asynchronous; a real crash three steps later finds it sealed, but on a loaded
+    # machine the writer thread of this in-process "crash" may still be running: let it finish, as it would have.
+    crashed.checkpointer.wait()
+    crashed.close()
+
+
 def test_rerun_resumes_and_continues_the_same_sample_stream(tiny_cfg, tmp_path):
     cfg = tiny_cfg("train.steps=10", "train.checkpoint_every=4")
     build_trainer(cfg, tmp_path / "a").fit()
     straight = [m["loss"] for m in read_metrics(tmp_path / "a")]
-
-    class Crash(Exception):
-        pass
-
-    def crash_at_7(step, total, stats):
-        if step == 7:
-            raise Crash
-    crashed = build_trainer(cfg, tmp_path / "b")
-    with pytest.raises(Crash):
-        crashed.fit(crash_at_7)
-    # The step-4 save is asynchronous; a real crash three steps later finds it sealed, but on a loaded machine
-    # the writer thread of this in-process "crash" may still be running: let it finish, as it would have.
-    crashed.checkpointer.wait()
+    crash_at(cfg, tmp_path / "b", 7)
     resumed = build_trainer(cfg, tmp_path / "b")
     assert resumed.step == 4                      # the newest complete checkpoint
     resumed.fit()
