@@ -26,6 +26,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adamw import adamw
 
 # the quintic iteration's coefficients (K. Jordan, "Muon: an optimizer for hidden layers in neural networks", 2024)
@@ -126,15 +127,13 @@ class MuonAdamW(torch.optim.Optimizer):
             steps.append(state["step"])
         if not params:
             return
-        adamw(params, grads, avgs, sqs, [], steps, foreach=not fused, fused=fused or None,
-                                amsgrad=False,
-                                beta1=group["betas"][0], beta2=group["betas"][1], lr=float(group["lr"]),
-                                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw(params, grads, avgs, sqs, [], steps, foreach=not fused, fused=fused or None, amsgrad=False,
+              beta1=group["betas"][0], beta2=group["betas"][1], lr=float(group["lr"]),
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
 def _orthogonalize_sharded(update: Tensor, steps: int) -> Tensor:
     """``orthogonalize`` of a plain tensor, or of a DTensor gathered whole and redistributed as it was sharded."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
     if isinstance(update, DTensor):
         whole = orthogonalize(update.full_tensor(), steps)
         return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
