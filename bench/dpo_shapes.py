@@ -41,11 +41,20 @@ import numpy as np
 
 ACCS = ("color", "position", "shape")
 
+class CliFailed(SystemExit):
+    """A ``difftrain`` command that exited non-zero; ``error``: the last 'error:' line it printed."""
+
+    def __init__(self, message: str, stderr: str):
+        super().__init__(message)
+        lines = [x for x in stderr.splitlines() if x.startswith("error:")]
+        self.error = lines[-1][len("error:"):].strip() if lines else stderr.strip()[-300:]
+
+
 def cli(*args: str, cwd: Path) -> str:
     out = subprocess.run([sys.executable, "-m", "difftrain", *args], cwd=cwd, capture_output=True, text=True)
     if out.returncode:
         sys.stderr.write(out.stderr[-4000:])
-        raise SystemExit(f"difftrain {args[0]} failed in {cwd} (exit {out.returncode})")
+        raise CliFailed(f"difftrain {args[0]} failed in {cwd} (exit {out.returncode})", out.stderr)
     return out.stdout
 
 
@@ -214,9 +223,14 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
     prompts, select = max(2, round(share * args.prompts)), round(chosen * args.prompts)
     label = f"{prompts} prompts, K = {k}, {kind}" + (f", stop at {stop}" if stop else "") + \
         (f", {select} pairs chosen" if select else "") + "".join(f", {x}" for x in sets)
-    done = root / "result.json"
+    done, failed = root / "result.json", root / "failed.json"
     if done.is_file():                    # a rerun of the bench with --dir keeps finished runs
         return json.loads(done.read_text())
+    if failed.is_file():                  # a round that failed is tried again from nothing, the old one kept aside
+        aside = root.with_name(f"{root.name}.failed-{int(time.time())}")
+        root.rename(aside)
+        print(f"{root}: the last try failed ({json.loads(failed.read_text())['failed']}); kept as {aside.name}, "
+              "trying again", file=sys.stderr)
     root.mkdir(parents=True, exist_ok=True)
     base_cfg = from_dict(Checkpointer.read_info(base)["config"], "base")
     world = world_from_config(base_cfg.data, 9000 + seed)
@@ -227,9 +241,19 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
         (["--select-items", str(select)] if select else [])
     raters = [a for r in RATERS for a in ("--rater", r.format(m=measure))]
     t0 = time.perf_counter()
-    cli("align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", str(k),
-        "--raters-per-item", "3", *raters, "--gold-share", "0.15", "--gold-measure", measure, "--gold-rate", "0.2",
-        "--eval-n", "0", "--seed", str(seed), *extra, cwd=root)
+    try:
+        cli("align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", str(k),
+            "--raters-per-item", "3", *raters, "--gold-share", "0.15", "--gold-measure", measure, "--gold-rate",
+            "0.2", "--eval-n", "0", "--seed", str(seed), *extra, cwd=root)
+    except CliFailed as e:
+        # One round that cannot finish (gold flagged too many of the four raters for R = 3 to be reached) is a
+        # result to report, not the end of a bench of fifteen rounds: it counts in no figure and is tried again
+        # from nothing by the next run of the bench with this --dir.
+        out = {"label": label, "prompts": prompts, "k": k, "kind": kind, "stop_confidence": stop,
+               "select_items": select, "failed": e.error, "judgements": None, "gain_pp": None,
+               "acc_drop_pp": None, "acc_drop_upper95_pp": None, "round_seconds": round(time.perf_counter() - t0, 1)}
+        failed.write_text(json.dumps(out))
+        return out
     wall = time.perf_counter() - t0
     st = json.loads((root / "rounds" / "round_001" / "round.json").read_text())["stages"]
     after = paired_eval(Path(st["dpo"]["run"]), args.n, base_cfg.eval.seed, use_ema=False)
@@ -248,8 +272,15 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
     return out
 
 
-def summarize_method(runs: list[dict], today_answers: int) -> dict:
-    """The issue's figures of one method from its runs (each with its share of today's answers)."""
+def summarize_method(runs: list[dict], today_answers: int | None) -> dict:
+    """The issue's figures of one method from its runs (each with its share of today's answers); runs that failed
+    are listed and count in no figure."""
+    failed = [r for r in runs if r.get("failed")]
+    runs = [r for r in runs if not r.get("failed")]
+    if not today_answers:                 # today's own round failed: nothing to count answers against
+        return {"answers_fraction_for_40pp": None, "answers_fraction_for_40pp_any_accuracy": None,
+                "gain_pp_at_todays_answers": None, "answers_fraction_at_todays_answers": None, "acc_drop_pp": None,
+                "acc_drop_upper95_pp": None, "runs": runs, "failed_runs": failed}
     for r in runs:
         r["answers_fraction"] = round(r["judgements"] / today_answers, 4)
     # +40 points counts only within the accuracy budget (the largest drop <= 3 points); the least share at any cost
@@ -267,7 +298,7 @@ def summarize_method(runs: list[dict], today_answers: int) -> dict:
             "answers_fraction_at_todays_answers": at_today["answers_fraction"] if at_today else None,
             "acc_drop_pp": max((r["acc_drop_pp"] for r in behind), default=None),
             "acc_drop_upper95_pp": max((r["acc_drop_upper95_pp"] for r in behind), default=None),
-            "runs": runs}
+            "runs": runs, "failed_runs": failed}
 
 
 def plot_efficiency(result: dict, path: Path) -> None:
@@ -279,8 +310,9 @@ def plot_efficiency(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(prefs), figsize=(4.2 * len(prefs), 3.6), sharey=True, squeeze=False)
     for ax, (pref, methods) in zip(axes[0], prefs.items()):
         for name, m in methods.items():
-            xs = [r["answers_fraction"] for r in m["runs"]]
-            ys = [r["gain_pp"] for r in m["runs"]]
+            counted = [r for r in m["runs"] if "answers_fraction" in r]     # none when today's round failed
+            xs = [r["answers_fraction"] for r in counted]
+            ys = [r["gain_pp"] for r in counted]
             order = np.argsort(xs)
             ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o", label=name)
         ax.axhline(40, color="grey", lw=0.8, ls="--")
@@ -312,7 +344,7 @@ def efficiency(args, root: Path, base: Path) -> dict:
                 r = efficiency_run(base, root / f"eff-{measure}" / f"{name}-{i}", measure, spec, seed, before, args)
                 print(json.dumps({"preference": measure, "method": name, **r}), flush=True)
                 runs[name].append(r)
-        today = runs["today"][0]["judgements"]
+        today = runs["today"][0]["judgements"]          # None when today's round failed
         out["preferences"][measure] = {name: summarize_method(rs, today) for name, rs in runs.items()}
         out["preferences"][measure]["today_judgements"] = today
     out["wall_s"] = round(time.perf_counter() - t0, 1)

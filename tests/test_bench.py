@@ -66,3 +66,33 @@ def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):
                          capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert bad.returncode == 2 and "must hold the 32 x 32 scene" in bad.stderr
+
+
+def _dpo_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dpo_shapes_bench", ROOT / "bench" / "dpo_shapes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_efficiency_summary_counts_within_the_accuracy_budget_and_leaves_failed_rounds_out():
+    """--efficiency's figures of a method: +40 counts only at <= 3 points of accuracy; a round that failed (the
+    raters could not finish it) is listed apart and in no figure; with today's own round failed nothing is counted."""
+    bench = _dpo_bench()
+
+    def run(j, gain, drop):
+        return {"judgements": j, "gain_pp": gain, "acc_drop_pp": drop, "acc_drop_upper95_pp": drop + 3}
+
+    failed = {"label": "x", "failed": "the automatic raters ran out of items", "judgements": None, "gain_pp": None}
+    s = bench.summarize_method([run(100, 45.0, 4.0), run(300, 41.0, 2.0), dict(failed), run(1200, 30.0, 1.0)], 1000)
+    assert s["answers_fraction_for_40pp"] == 0.3 and s["answers_fraction_for_40pp_any_accuracy"] == 0.1
+    # today's answers: the most answers at or under today's (1,200 > 1,000 is past them)
+    assert s["gain_pp_at_todays_answers"] == 41.0 and s["answers_fraction_at_todays_answers"] == 0.3
+    assert s["acc_drop_pp"] == 2.0 and [r["judgements"] for r in s["runs"]] == [100, 300, 1200]
+    assert s["failed_runs"] == [failed]
+    none = bench.summarize_method([run(100, 45.0, 1.0)], None)
+    assert none["answers_fraction_for_40pp"] is None and none["gain_pp_at_todays_answers"] is None
+    err = bench.CliFailed("difftrain align failed", "INFO x\nerror: batch b: the automatic raters ran out of items\n")
+    assert isinstance(err, SystemExit) and err.error == "batch b: the automatic raters ran out of items"
