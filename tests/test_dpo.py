@@ -300,6 +300,32 @@ def test_dpo_one_and_two_ranks_and_a_kill_give_the_same_weights(world):
     assert bad.returncode == 2 and "resume with the reference it was trained against" in bad.stderr
 
 
+def test_dpo_with_replay_trains_on_the_base_data_beside_the_pairs_and_a_kill_resumes_it_exactly(world):
+    """dpo.replay_weight: each step also draws the base's kind of data (here the shapes world, the base's mixture);
+    the weights differ from plain DPO's, the replay loader's state is in the checkpoint and a run killed mid-way
+    and restarted by torchrun ends with the unbroken run's weights."""
+    import torch
+
+    if not (world / "pairs" / "all.parquet").exists():
+        pytest.skip("needs the pairs of test_pairs_by_majority_with_agreement_split_by_prompt")
+    if not (world / "d1" / "export").exists():
+        pytest.skip("needs the plain DPO run of test_dpo_one_and_two_ranks_and_a_kill_give_the_same_weights")
+    cfg = _dpo_cfg(world, "replay", "dpo.replay_weight=50")
+    _cli(["dpo", cfg, "--run-dir", "r1", "--no-progress"], world)
+    info = json.loads((world / "r1" / "checkpoints" / "step_00000006" / "trainer.json").read_text())
+    assert info["loader"]["kind"] == "pairs" and info["loader"]["replay"]["step"] == 6
+    replayed, plain = _weights(world / "r1"), _weights(world / "d1")
+    assert max(float((replayed[k] - plain[k]).abs().max()) for k in plain) > 1e-6     # the term moved the weights
+    _cli(["dpo", cfg, "--run-dir", "rk", "--no-progress"], world, faults="kill@5", restarts=1)
+    killed = _weights(world / "rk")
+    assert all(torch.equal(replayed[k], killed[k]) for k in replayed)
+    # a run checkpointed without replay does not resume with it (its replay draws were never made)
+    bad = _cli(["dpo", cfg, "--run-dir", "d1", "--no-progress", "--allow-config-change", "dpo.replay_weight"],
+               world, check=False)
+    assert bad.returncode == 2 and "error: the checkpoint was trained without dpo.replay_weight" in bad.stderr, \
+        bad.stderr[-1500:]
+
+
 def test_dpo_with_lora_trains_adapters_only_and_exports_merged_or_apart(world):
     import torch
     from safetensors.torch import load_file
@@ -378,6 +404,8 @@ def test_bad_dpo_input_is_refused_before_any_work(world, tmp_path):
         (["dpo.pairs=nothing.parquet"], "dpo.pairs = 'nothing.parquet': no such file"),
         (["dpo.init=nowhere"], "nowhere: no such checkpoint"),
         (["dpo.beta=-1"], "dpo.beta"),
+        (["dpo.replay_weight=10", "data.source=store", "data.store=somewhere"], "replay draws from the shapes source"),
+        (["dpo.replay_weight=-1"], "dpo.replay_weight"),
     ]
     for i, (sets, message) in enumerate(cases):
         try:

@@ -170,6 +170,34 @@ def test_winner_and_loser_share_t_and_noise_and_the_sft_term_adds_the_winners_er
     assert micro.loss.item() == pytest.approx(math.log(2) + 0.5 * float(e[:2].sum()) / 2, rel=1e-5)
 
 
+def test_the_replay_term_adds_the_replay_samples_mean_error_once_a_pair_from_their_own_draws():
+    """dpo.replay_weight: each pair brings one sample of the base's kind of data; the term is the weight times their
+    mean flow error, counted once a pair; their t and noise are drawn from their own ids with another seed, so the
+    pairs' draws do not change; a batch without replay samples (validation's) gets the pairs' loss alone."""
+    from difftrain.diffusion.flow import draw_t_and_noise, noisy_input
+
+    policy = _model()
+    pol, plain = _objective(policy, _frozen(policy))
+    obj = DiffusionDPO(plain.spec, plain.beta, plain.reference, 0.0, replay_weight=3.0)
+    b, r = _pairs(2), _pairs(2, seed=5)
+    r.pairs, r.sample_ids = 0, [7, 8, 9, 10]                 # four samples of the base's kind, any task
+    b.replay = r.rows(slice(0, 2))
+    b.replay.sample_ids = [7, 8]
+    _, H, W = r.grid
+    t, eps = draw_t_and_noise(obj.spec, 0 + 1, 2, [7, 8], tuple(r.x0_BLC.shape[1:]), (H // 2) * (W // 2))
+    rb = b.replay
+    e_r = obj.errors(pol, rb, noisy_input(rb.x0_BLC, eps, t, rb.loss_mask_BL), t, eps)
+    with_replay = obj.loss(pol, b, 0, 2, 4.0)
+    without = plain.loss(pol, b, 0, 2, 4.0)
+    assert with_replay.loss.item() == pytest.approx(without.loss.item() + 3.0 * float(e_r.mean()) * 2 / 4.0, rel=1e-5)
+    assert float(e_r.mean()) > 0 and with_replay.tokens > without.tokens and with_replay.flops > without.flops
+    assert torch.equal(with_replay.stats, without.stats)        # the pairs' own figures are untouched
+    moved = b.to("cpu")                                          # the replay samples travel with the batch
+    assert moved.replay is not None and torch.equal(moved.replay.x0_BLC, rb.x0_BLC)
+    b.replay = None                                              # a validation batch: the pairs' loss alone
+    assert obj.loss(pol, b, 0, 2, 4.0).loss.item() == pytest.approx(without.loss.item(), rel=1e-6)
+
+
 def test_beta_must_be_positive_and_a_batch_must_hold_pairs():
     policy = _model()
     with pytest.raises(ValueError, match="beta = 0"):

@@ -352,6 +352,11 @@ class DPOConfig:
                        "reference error, each the mean over the sample's loss tokens (with that reduction flow "
                        "recipes use 100-2000)", gt=0, default=2000.0)
     sft_weight: float = meta("weight of an added flow-matching term on the winners (0 = off)", ge=0, default=0.0)
+    replay_weight: float = meta("weight of an added flow-matching term on the base's own kind of training data (the "
+                                "config's data section; the shapes source only): one replay sample a pair, drawn as "
+                                "pretraining draws them (its task mixture, curriculum and seed), each weighed as a "
+                                "winner is by sft_weight, so what the preference does not ask about is held where the "
+                                "base had it (0 = off)", ge=0, default=0.0)
     reference: str = meta("'copy': a frozen copy of the starting weights, sharded like the policy (bf16 on GPUs, no "
                           "optimizer state, no EMA); 'lora': LoRA adapters (peft) on the DiT are trained and the "
                           "reference is the DiT with its adapters disabled", choices=("copy", "lora"),

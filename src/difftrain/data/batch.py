@@ -42,6 +42,8 @@ class Batch:
     # the user's loss mask: False on target tokens that are noised and predicted but neither count in the loss nor
     # in its token count (``counted``); None = every target token counts
     keep_BL: Tensor | None = None
+    # a DPO step's replay micro-batch (``dpo.replay_weight``): samples of the base's training data, moved with this one
+    replay: "Batch | None" = None
 
     @property
     def counted_BL(self) -> Tensor:
@@ -53,7 +55,8 @@ class Batch:
                                                             fn(self.text.mask_BT))
         return replace(self, x0_BLC=fn(self.x0_BLC), ids_BL3=fn(self.ids_BL3), loss_mask_BL=fn(self.loss_mask_BL),
                        tokens={k: fn(v) for k, v in self.tokens.items()}, text=text,
-                       keep_BL=None if self.keep_BL is None else fn(self.keep_BL))
+                       keep_BL=None if self.keep_BL is None else fn(self.keep_BL),
+                       replay=None if self.replay is None else self.replay._map(fn))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -72,7 +75,7 @@ class Batch:
         return replace(self, x0_BLC=self.x0_BLC[sl], ids_BL3=self.ids_BL3[sl], loss_mask_BL=self.loss_mask_BL[sl],
                        tokens={k: v[sl] for k, v in self.tokens.items()}, prompts=self.prompts[sl],
                        meta=self.meta[sl], sample_ids=self.sample_ids[sl], repeats=self.repeats[sl], text=text,
-                       keep_BL=None if self.keep_BL is None else self.keep_BL[sl])
+                       keep_BL=None if self.keep_BL is None else self.keep_BL[sl], replay=None)
 
 
 def assemble(latents_BFCHW: Tensor, indices: list[int], target_BF: Tensor, tokens: dict[str, Tensor],

@@ -120,8 +120,61 @@ class PairsSource:
         if frozen is not None and hasattr(frozen, "release"):    # the cache holds their states: not needed to train
             frozen.release()
         tokenize = None if frozen is not None else text_encoder.tokenize     # frozen: the cached states instead
-        return PairsLoader(pairs, tokenize, self.cfg.train.global_batch, self.cfg.train.micro_batch, rank, num_ranks,
-                           self.cfg.run.seed)
+        loader = PairsLoader(pairs, tokenize, self.cfg.train.global_batch, self.cfg.train.micro_batch, rank, num_ranks,
+                             self.cfg.run.seed)
+        if not self.cfg.dpo.replay_weight:
+            return loader
+        from difftrain.sources import ConfiguredSource
+
+        # as many replay samples a step as pairs, split over ranks and micro-batches as the pairs are
+        replay = ConfiguredSource(self.cfg).build(autoencoder, text_encoder, rank, num_ranks, device,
+                                                  self.cfg.train.micro_batch)
+        return ReplayingPairs(loader, replay)
+
+
+def check_replay(cfg: Config) -> None:
+    """``dpo.replay_weight`` draws the base's kind of data from the config's data section: the shapes source only
+    (the store's loader sets its own batches per bucket, which do not line up with the pairs')."""
+    if cfg.dpo.replay_weight and cfg.data.source != "shapes":
+        raise UserError(f"dpo.replay_weight = {cfg.dpo.replay_weight} with data.source = {cfg.data.source!r}: replay "
+                        "draws from the shapes source only; set dpo.replay_weight = 0 (or data.source = 'shapes' "
+                        "for a model of the shapes world)")
+    if cfg.dpo.replay_weight and cfg.text.kind == "hf":
+        raise UserError("dpo.replay_weight: the shapes source tokenizes for a word encoder; with text.kind = 'hf' set "
+                        "dpo.replay_weight = 0")
+
+
+class ReplayingPairs:
+    """The pairs loader with a replay source beside it: each pair micro-batch carries a micro-batch of the base's
+    kind of training data (``Batch.replay``) of as many samples; both states are in the checkpoint, so a resumed
+    run draws what an unbroken one does."""
+
+    def __init__(self, pairs, replay):
+        self.pairs, self.replay = pairs, replay
+
+    def __iter__(self) -> "ReplayingPairs":
+        return self
+
+    def __next__(self) -> list:
+        out, extra = next(self.pairs), next(self.replay)
+        if len(out) != len(extra):
+            raise RuntimeError(f"{len(out)} pair micro-batches against {len(extra)} replay micro-batches")
+        for b, r in zip(out, extra):
+            b.replay = r
+        return out
+
+    def validation_batches(self, ranks: int):
+        return self.pairs.validation_batches(ranks)
+
+    def state_dict(self) -> dict:
+        return {**self.pairs.state_dict(), "replay": self.replay.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "replay" not in state:
+            raise UserError("the checkpoint was trained without dpo.replay_weight: its replay draws cannot be "
+                            "resumed; resume with dpo.replay_weight = 0 or start a new run")
+        self.pairs.load_state_dict(state)
+        self.replay.load_state_dict(state["replay"])
 
 
 class PolicyWithoutAdapters:
@@ -268,5 +321,7 @@ def build_dpo_trainer(cfg: Config, run_dir=None, env=None, resume: bool = True,
     """The trainer ``difftrain dpo`` runs: the pairs source and the DiffusionDPO objective the config describes
     (its reference attached once the trainer has built the policy)."""
     info = check_dpo_config(cfg)
-    objective = DiffusionDPO(FlowSpec.from_config(cfg.diffusion), cfg.dpo.beta, None, cfg.dpo.sft_weight)
+    check_replay(cfg)
+    objective = DiffusionDPO(FlowSpec.from_config(cfg.diffusion), cfg.dpo.beta, None, cfg.dpo.sft_weight,
+                             cfg.dpo.replay_weight)
     return DPOTrainer(cfg, PairsSource(cfg, info), objective, info, run_dir, env, resume, allow_config_change)

@@ -153,10 +153,11 @@ class DiffusionDPO:
     name = "dpo"
     batch_kind = "pairs"
 
-    def __init__(self, spec: FlowSpec, beta: float, reference, sft_weight: float = 0.0):
+    def __init__(self, spec: FlowSpec, beta: float, reference, sft_weight: float = 0.0, replay_weight: float = 0.0):
         if beta <= 0:
             raise ValueError(f"dpo.beta = {beta}: expected > 0")
         self.spec, self.beta, self.reference, self.sft_weight = spec, beta, reference, sft_weight
+        self.replay_weight = replay_weight
 
     def count(self, batch: Batch) -> float:
         return float(batch.pairs)
@@ -189,7 +190,24 @@ class DiffusionDPO:
         if self.sft_weight:
             total = total + self.sft_weight * e[:batch.pairs].sum()
         tokens, flops = model.cost(batch)
-        return MicroLoss(total / normalizer, tokens, flops * 4 / 3, terms.stats)   # + the reference's forward
+        flops = flops * 4 / 3                                                     # + the reference's forward
+        if self.replay_weight and batch.replay is not None:      # validation batches carry none: their stats only
+            total, tokens, flops = self._replay(model, batch.replay, seed, step, total, tokens, flops, batch.pairs)
+        return MicroLoss(total / normalizer, tokens, flops, terms.stats)
+
+    def _replay(self, model: Denoiser, replay: Batch, seed: int, step: int, total: Tensor, tokens: int, flops: float,
+                pairs: int) -> tuple[Tensor, int, float]:
+        """The replay term: each replay sample's flow error (as a winner's in the SFT term), ``replay_weight`` times,
+        their mean counted once a pair (a micro-batch holds as many of each). Noise and timesteps are drawn from the
+        replay samples' own ids, with another seed than the pairs'."""
+        r = model.on_device(replay)
+        _, H, W = r.grid
+        t, eps = draw_t_and_noise(self.spec, seed + 1, step, r.sample_ids, tuple(r.x0_BLC.shape[1:]),
+                                  (H // 2) * (W // 2), model.device, r.repeats)
+        xt = noisy_input(r.x0_BLC, eps, t, r.loss_mask_BL)
+        e_r = self.errors(model, r, xt, t, eps)
+        rt, rf = model.cost(replay)
+        return total + self.replay_weight * e_r.mean() * pairs, tokens + rt, flops + rf
 
     def metrics(self, loss: float, task: str, stats: Tensor | None = None) -> dict[str, float]:
         out = {"loss": loss, f"loss_{task}": loss}
