@@ -207,7 +207,7 @@ METHODS = {
     # ...]: the runs behind a method's curve
     "today": [(1.0, 4, "ranking", None, 0.0)],                       # K = 4 ranked by R = 3, every pair derived
     "adaptive": [(1.0, 4, "ranking", 0.9, 0.0)],                     # stop at M = 2 once clear, R = 3 the most
-    "active_pairs": [(1.0, 4, "pairwise", 0.9, f) for f in (0.25, 0.5)],          # one chosen pair a prompt
+    "active_pairs": [(1.0, 4, "pairwise", 0.9, f) for f in (0.25, 0.5, 0.7)],     # one chosen pair a prompt
     "pickapic": [(1.0, 2, "pairwise", None, 0.0)],                   # K = 2 with ties, R = 3
 }
 
@@ -314,13 +314,18 @@ def plot_efficiency(result: dict, path: Path) -> None:
             xs = [r["answers_fraction"] for r in counted]
             ys = [r["gain_pp"] for r in counted]
             order = np.argsort(xs)
-            ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o", label=name)
+            color = f"C{list(METHODS).index(name) % 10}"          # a method keeps its colour in every panel
+            ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o", color=color, label=name)
+            over = [(x, y) for x, y, r in zip(xs, ys, counted) if r["acc_drop_pp"] > 3]   # past the accuracy budget
+            if over:
+                ax.plot(*zip(*over), ls="none", marker="o", mfc="white", mec=color)
         ax.axhline(40, color="grey", lw=0.8, ls="--")
         ax.axvline(0.25, color="grey", lw=0.8, ls=":")
         ax.set_title(f"{pref} (before {result['preferred_rate_before'][pref]:.2f})")
         ax.set_xlabel("human judgements / today's round")
     axes[0][0].set_ylabel("preference gain (points)")
     axes[0][-1].legend(fontsize=8)
+    fig.suptitle("hollow: a run whose accuracy drop is over 3 points", fontsize=9, y=0.995)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
