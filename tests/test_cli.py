@@ -167,6 +167,7 @@ def test_a_fixed_step_demo_trains_the_same_model_however_loaded_the_machine(tmp_
     assert quiet["budget"] == "steps: 6" and quiet["steps"] == loaded["steps"] == 6
     assert quiet["estimate_s_per_step"] > 0              # the estimate from the first steps, kept in the summary
     assert quiet["threads"] == 1 and quiet["torch"] == torch.__version__ and quiet["probe_gflops"] > 0
+    assert quiet["cpu_capability"] == str(torch.backends.cpu.get_cpu_capability()) == loaded["cpu_capability"]
     same = ("weights_sha256", "t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "edit_acc", "keyframe_acc")
     assert {k: quiet[k] for k in same} == {k: loaded[k] for k in same}
     losses = [[json.loads(x)["loss"] for x in (tmp_path / d / "run" / "metrics.jsonl").read_text().splitlines()

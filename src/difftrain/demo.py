@@ -42,6 +42,15 @@ def preview_world(world: ShapesWorld, path: Path, n: int = 6) -> float:
     return float(np.mean([all(s.values()) for s in scores]))
 
 
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels dispatch to here ("AVX2", "AVX512", ...): with the torch build and the
+    thread count, what decides the rounding of every step, hence the weights a fixed step count trains."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):                   # a build without the query
+        return "unknown"
+
+
 def probe_gflops(seconds: float = 0.5, n: int = 512) -> float:
     """A fixed CPU speed probe: float32 GFLOP/s of an n x n matmul, repeated for about ``seconds`` (the median of
     its runs), on this process's threads. Figures from different days compare only beside it."""
@@ -99,8 +108,8 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
                  "model, follows this machine's speed", n_params, cfg.train.minutes)
     else:
         log.info("model: %.2fM parameters; training %d steps (a fixed count: the same model on any machine with "
-                 "this torch build and %d threads); an estimate of the time follows the first steps",
-                 n_params, cfg.train.steps, torch.get_num_threads())
+                 "this torch build, %d threads and a CPU of this instruction set, %s); an estimate of the time "
+                 "follows the first steps", n_params, cfg.train.steps, torch.get_num_threads(), cpu_capability())
     summary = run_training(cfg, run_dir, progress, trainer)
 
     log.info("evaluating %d prompts per task", cfg.eval.n)
@@ -122,12 +131,14 @@ def run_demo(config: Path, out: Path, minutes: float | None, overrides: list[str
               "t2i_size_acc": metrics["t2i_size_acc"], "n": metrics["n"],
               **{k: metrics[k] for k in EVAL_KEYS if k not in ("n",)},
               "train_seconds": summary["train_seconds"], "steps": summary["steps"],
-              # what makes two runs comparable: the same steps, threads and torch build train the same weights
+              # what makes two runs comparable: the same steps, threads, torch build and CPU instruction set (the
+              # kernels torch dispatches to: AVX2 and AVX-512 machines round differently) train the same weights
               "budget": (f"time: {cfg.train.minutes} min (steps follow the machine's speed)" if cfg.train.minutes
                          else f"steps: {cfg.train.steps}"),
               "s_per_step": round(summary["train_seconds"] / max(1, summary["steps"]), 4),
               "estimate_s_per_step": summary.get("estimate", {}).get("s_per_step"),
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "probe_gflops": probe,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu_capability": cpu_capability(),
+              "probe_gflops": probe,
               "weights_sha256": weights_digest(trainer.ema.state_dict() if trainer.ema else
                                                dict(trainer.model.named_parameters())),
               "eval_seconds": round(eval_seconds, 1), "total_seconds": round(time.perf_counter() - t0, 1),
