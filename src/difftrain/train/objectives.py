@@ -192,15 +192,17 @@ class DiffusionDPO:
         tokens, flops = model.cost(batch)
         flops = flops * 4 / 3                                                     # + the reference's forward
         if self.replay_weight and batch.replay is not None:      # validation batches carry none: their stats only
-            total, tokens, flops = self._replay(model, batch.replay, seed, step, total, tokens, flops, batch.pairs)
+            total, tokens, flops = self._replay(model, b.replay, batch.replay, seed, step, total, tokens, flops,
+                                                batch.pairs)
         return MicroLoss(total / normalizer, tokens, flops, terms.stats)
 
-    def _replay(self, model: Denoiser, replay: Batch, seed: int, step: int, total: Tensor, tokens: int, flops: float,
-                pairs: int) -> tuple[Tensor, int, float]:
+    def _replay(self, model: Denoiser, r: Batch, replay: Batch, seed: int, step: int, total: Tensor, tokens: int,
+                flops: float, pairs: int) -> tuple[Tensor, int, float]:
         """The replay term: each replay sample's flow error (as a winner's in the SFT term), ``replay_weight`` times,
         their mean counted once a pair (a micro-batch holds as many of each). Noise and timesteps are drawn from the
-        replay samples' own ids, with another seed than the pairs'."""
-        r = model.on_device(replay)
+        replay samples' own ids, with another seed than the pairs'. ``r``: the replay samples as the pair batch's
+        move to the device brought them (moved once); ``replay``: on the host, for the cost (no device sync)."""
+        r.x0_BLC = r.x0_BLC.float()             # as ``on_device`` widens the store's bf16 latents
         _, H, W = r.grid
         t, eps = draw_t_and_noise(self.spec, seed + 1, step, r.sample_ids, tuple(r.x0_BLC.shape[1:]),
                                   (H // 2) * (W // 2), model.device, r.repeats)
