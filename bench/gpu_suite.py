@@ -24,7 +24,9 @@ Writes one JSON object (stdout and ``--out``):
 - ``quant_sample_speedup_fp8`` and ``quant_rel_error_<fmt>`` (fp8, mxfp8, nvfp4, with their mode): ``sample
   --quant``'s model against bf16 on one forward;
 - ``fp8_encoder_cosine``, ``fp8_encoder_memory_saved`` and ms per batch size: text.precision = 'fp8' on a T5 of
-  T5-XXL's widths with activation outliers (``bench/fp8_encoder.py``; "not run" without transformers).
+  T5-XXL's widths with activation outliers (``bench/fp8_encoder.py``; "not run" without transformers);
+- ``dpo_*``: the Diffusion-DPO objective from host batches on the device (a bf16 reference, autocast, the SFT and
+  replay terms, the replay samples moved with the pair batch): the first loss, the replay term, gradients.
 
 torchao (the float8/MX/NVFP4 parts) is imported from the machine's Python, else from the wheel ``gpu_suite.sh``
 installs out of ``bench/wheels/`` (docs/kernels.md: how to put it there); without it those figures say "not run".
@@ -245,6 +247,69 @@ def muon_run(steps: int, smoke: bool) -> dict:
             finally:
                 tr.close()
     out["muon_trainer_loss_falls"] = out["muon_trainer_muon_losses"][-1] < out["muon_trainer_muon_losses"][0]
+    return out
+
+
+def dpo_objective(smoke: bool) -> dict:
+    """The Diffusion-DPO objective on the device from host batches, as ``difftrain dpo`` calls it: a policy and a
+    frozen bf16 copy as reference (the trainer's reference on a GPU), bf16 autocast, winners and losers sharing t and
+    noise, the SFT and replay terms; the pair batch and the replay samples it carries (``dpo.replay_weight``) start on
+    the host and reach the device in one move. Checks: the pair loss alone is log 2 at the start (policy = reference,
+    up to the reference's bf16), the replay term adds a positive amount, the gradient reaches the policy and not the
+    reference, a step moves the loss."""
+    import copy
+
+    from difftrain.data.batch import assemble
+    from difftrain.diffusion.flow import FlowSpec
+    from difftrain.models.text import WordTextEncoder
+    from difftrain.train.objectives import Denoiser, DiffusionDPO
+
+    vocab = ["a", "small", "big", "red", "blue", "circle", "square"]
+    prompts = ["a small red circle", "a big blue square", "a red square", "a blue circle"]
+    torch.manual_seed(0)
+    size = 8 if smoke else 64                      # latents' side: 64 is 1024^2 pixels at FLUX's factor 16 with 2x2
+    p = DiTParams(in_channels=16, text_dim=32, pooled_dim=32, hidden=64 if smoke else 1024, heads=4 if smoke else 8,
+                  double_blocks=1 if smoke else 2, single_blocks=1 if smoke else 4,
+                  axes_dims_rope=(4, 6, 6) if smoke else (16, 56, 56))
+    text = WordTextEncoder(vocab, max_tokens=8, dim=32, layers=1)
+    policy = torch.nn.ModuleDict({"dit": build_dit(p, init="default", seed=0), "text": text}).to(DEVICE)
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    if DEVICE.type == "cuda":
+        reference.to(torch.bfloat16)
+    amp = torch.bfloat16 if DEVICE.type == "cuda" else None
+    pol = Denoiser(policy, policy["text"], DEVICE, amp)
+    ref = Denoiser(reference, reference["text"], DEVICE, amp)
+    obj = DiffusionDPO(FlowSpec(timesteps="uniform"), 2000.0, ref, sft_weight=300.0, replay_weight=300.0)
+    plain = DiffusionDPO(FlowSpec(timesteps="uniform"), 2000.0, ref, sft_weight=300.0)
+    bare = DiffusionDPO(FlowSpec(timesteps="uniform"), 2000.0, ref)
+    g = torch.Generator().manual_seed(1)
+
+    def host_batch(rows: int, pairs: int, ids: list[int]):
+        lat = torch.randn(rows, 1, 4, size, size, generator=g)
+        ps = (prompts * rows)[:rows]
+        b = assemble(lat, [0], torch.ones(rows, 1, dtype=torch.bool), text.tokenize(ps), ps, "t2i")
+        b.sample_ids, b.pairs = ids, pairs
+        return b
+
+    b = host_batch(4, 2, [100, 101, 100, 101])
+    b.replay = host_batch(2, 0, [7, 8])
+    assert b.x0_BLC.device.type == "cpu" and b.replay.x0_BLC.device.type == "cpu"
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    with torch.no_grad():
+        pair_only = float(bare.loss(pol, b, 0, 0, 2.0).loss)
+        without = float(plain.loss(pol, b, 0, 0, 2.0).loss)
+    first = obj.loss(pol, b, 0, 0, 2.0)
+    first.loss.backward()
+    grads = [q.grad for q in policy.parameters() if q.requires_grad]
+    out = {"dpo_pair_loss_at_start": round(pair_only, 5), "dpo_first_loss": round(float(first.loss.detach()), 5),
+           "dpo_replay_term": round(float(first.loss.detach()) - without, 6),
+           "dpo_policy_grad": all(x is not None for x in grads) and float(sum(x.norm() for x in grads)) > 0,
+           "dpo_reference_grad_free": all(q.grad is None for q in reference.parameters()),
+           "dpo_reference_dtype": str(next(reference.parameters()).dtype).replace("torch.", "")}
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    after = obj.loss(pol, b, 0, 0, 2.0)
+    out["dpo_loss_moves"] = abs(float(after.loss.detach()) - float(first.loss.detach())) > 0
     return out
 
 
@@ -584,7 +649,8 @@ def main() -> None:
     for key, fn, fargs in (("fp8_train", fp8_train, (bf16_run, args.batch, args.steps, args.warmup, args.smoke)),
                            ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
                            ("fp8_encoder", fp8_encoder, (args.smoke,)), ("adapter", adapter_runs, (args.smoke,)),
-                           ("finetune", finetune_paths, (args.smoke,)), ("muon", muon_run, (args.steps, args.smoke))):
+                           ("finetune", finetune_paths, (args.smoke,)), ("muon", muon_run, (args.steps, args.smoke)),
+                           ("dpo", dpo_objective, (args.smoke,))):
         if key == "fp8_train" and bf16_run is None:
             out["error_fp8_train"] = "no bf16 run to compare with"
             continue

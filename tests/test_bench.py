@@ -46,6 +46,9 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
     assert result["muon_ns_dtype"] == "float32" and 0.4 < result["muon_ns_sv_min"] < result["muon_ns_sv_max"] < 1.3
     assert result["muon_trainer_loss_falls"] and result["muon_trainer_muon_optim_s"] > 0, result
     assert len(result["muon_trainer_adamw_losses"]) == len(result["muon_trainer_muon_losses"]) == 3
+    # DPO from host batches on the device: log 2 at the start, the replay term, gradients to the policy only
+    assert abs(result["dpo_pair_loss_at_start"] - math.log(2)) < 1e-4 and result["dpo_replay_term"] > 0, result
+    assert result["dpo_policy_grad"] and result["dpo_reference_grad_free"] and result["dpo_loss_moves"], result
 
 
 def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):
