@@ -140,7 +140,8 @@ def check_replay(cfg: Config) -> None:
                         "draws from the shapes source only; set dpo.replay_weight = 0 (or data.source = 'shapes' "
                         "for a model of the shapes world)")
     if cfg.dpo.replay_weight and cfg.text.kind == "hf":
-        raise UserError("dpo.replay_weight: the shapes source tokenizes for a word encoder; with text.kind = 'hf' set "
+        raise UserError("dpo.replay_weight with text.kind = 'hf': DPO trains a frozen encoder's runs from the pairs' "
+                        "cached states and releases the encoder, so replay samples could not be encoded; set "
                         "dpo.replay_weight = 0")
 
 

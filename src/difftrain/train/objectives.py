@@ -192,24 +192,20 @@ class DiffusionDPO:
         tokens, flops = model.cost(batch)
         flops = flops * 4 / 3                                                     # + the reference's forward
         if self.replay_weight and batch.replay is not None:      # validation batches carry none: their stats only
-            total, tokens, flops = self._replay(model, b.replay, batch.replay, seed, step, total, tokens, flops,
-                                                batch.pairs)
+            total = total + self.replay_weight * self._replay_error(model, b.replay, seed, step) * batch.pairs
+            rt, rf = model.cost(batch.replay)                    # from the host copy: no device sync
+            tokens, flops = tokens + rt, flops + rf
         return MicroLoss(total / normalizer, tokens, flops, terms.stats)
 
-    def _replay(self, model: Denoiser, r: Batch, replay: Batch, seed: int, step: int, total: Tensor, tokens: int,
-                flops: float, pairs: int) -> tuple[Tensor, int, float]:
-        """The replay term: each replay sample's flow error (as a winner's in the SFT term), ``replay_weight`` times,
-        their mean counted once a pair (a micro-batch holds as many of each). Noise and timesteps are drawn from the
-        replay samples' own ids, with another seed than the pairs'. ``r``: the replay samples as the pair batch's
-        move to the device brought them (moved once); ``replay``: on the host, for the cost (no device sync)."""
+    def _replay_error(self, model: Denoiser, r: Batch, seed: int, step: int) -> Tensor:
+        """The replay samples' mean flow error (each as a winner's in the SFT term; the loss counts it once a pair, a
+        micro-batch holding as many of each), their noise and timesteps drawn from their own ids with another seed
+        than the pairs'. ``r`` came to the device with the pair batch (one move)."""
         r.x0_BLC = r.x0_BLC.float()             # as ``on_device`` widens the store's bf16 latents
         _, H, W = r.grid
         t, eps = draw_t_and_noise(self.spec, seed + 1, step, r.sample_ids, tuple(r.x0_BLC.shape[1:]),
                                   (H // 2) * (W // 2), model.device, r.repeats)
-        xt = noisy_input(r.x0_BLC, eps, t, r.loss_mask_BL)
-        e_r = self.errors(model, r, xt, t, eps)
-        rt, rf = model.cost(replay)
-        return total + self.replay_weight * e_r.mean() * pairs, tokens + rt, flops + rf
+        return self.errors(model, r, noisy_input(r.x0_BLC, eps, t, r.loss_mask_BL), t, eps).mean()
 
     def metrics(self, loss: float, task: str, stats: Tensor | None = None) -> dict[str, float]:
         out = {"loss": loss, f"loss_{task}": loss}
