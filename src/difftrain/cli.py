@@ -327,6 +327,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        # a module of an optional extra (the data path, Hugging Face formats, torchao) that is not installed
+        from difftrain.extras import missing_extra_message
+        message = missing_extra_message(e, args.verb)
+        if message is None or args.debug:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
