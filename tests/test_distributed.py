@@ -86,19 +86,31 @@ def _run(cfg, run_dir, steps_for_grads=1):
     return {"losses": losses, "grads": grads, "init": init, "reductions": reductions, "accum": tr.accum}
 
 
+def _end_group(clean: bool) -> None:
+    """End a spawned rank's process group while the interpreter is alive: after a clean run every rank first waits
+    for the others, then the last references to the group (a trainer's DTensors, its FSDP state) are collected.
+    Gloo threads torn down during interpreter finalisation abort the rank (SIGABRT, "terminate called without an
+    active exception") after a run that succeeded."""
+    import gc
+
+    from difftrain.parallel.dist import shutdown
+    shutdown(clean)
+    gc.collect()
+
+
 def _worker(rank: int, world: int, port: int, scenarios: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    results = {}
+    results, clean = {}, False
     try:
         for name, overrides in scenarios.items():
             cfg = load_config(None, BASE + overrides)
             results[name] = _run(cfg, Path(out) / name)
             torch.distributed.barrier()
+        clean = True
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        _end_group(clean)
     if rank == 0:
         torch.save(results, Path(out) / "results.pt")
 
@@ -246,6 +258,7 @@ def _share_worker(rank: int, world: int, port: int, out: str) -> None:
         return fut
 
     StreamingSafetensorsWriter.write_data = write_data
+    tr, clean = None, False
     try:
         cfg = load_config(None, BASE + ["train.steps=2", "train.checkpoint_every=1", "train.async_checkpoint=true",
                                         "parallel.dp_replicate=2", "parallel.dp_shard=2"])
@@ -268,10 +281,11 @@ def _share_worker(rank: int, world: int, port: int, out: str) -> None:
                   "full": full if rank == 0 else None, "ema": ema if rank == 0 else None,
                   "export_all_gathers": gathers[0]}
         torch.save(result, Path(out) / f"share_{rank}.pt")
+        clean = True
     finally:
         StreamingSafetensorsWriter.write_data = original
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        tr = None                   # the trainer's DTensors go with the group, while the interpreter is alive
+        _end_group(clean)
 
 
 def test_hsdp_ranks_stage_only_what_their_save_plan_writes_and_the_checkpoint_resumes_whole(tmp_path):

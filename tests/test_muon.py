@@ -98,12 +98,14 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     from test_distributed import BASE
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    from test_distributed import _end_group
     torch.set_num_threads(1)
+    clean = False
     try:
         weights = _final_weights(load_config(None, BASE + MUON + ["parallel.dp_shard=2"]), f"{out}/two")
+        clean = True
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        _end_group(clean)
     if rank == 0:
         torch.save(weights, f"{out}/two.pt")
 
