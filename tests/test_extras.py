@@ -69,6 +69,9 @@ def test_the_message_names_the_module_the_extra_and_the_command():
     assert "'difftrain prepare' needs ray" in msg and "pip install 'difftrain[data]'" in msg
     assert "difftrain[hf]" in missing_extra_message(ModuleNotFoundError(name="transformers"), "train")
     assert missing_extra_message(ModuleNotFoundError(name="numpy"), "train") is None      # not an extra's module
+    # the package installed but a module of it missing: another version than the pinned one, not a missing extra
+    msg = missing_extra_message(ModuleNotFoundError(name="torchao.no_such_module"), "sample")
+    assert "the installed torchao lacks" in msg and "difftrain[fp8]" in msg
     assert extra_of(None) is None and extra_of("torch") is None
 
 

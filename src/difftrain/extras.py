@@ -32,6 +32,14 @@ def extra_of(module: str | None) -> str | None:
     return None
 
 
+def _installed(package: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def missing_extra_message(exc: ModuleNotFoundError, verb: str) -> str | None:
     """What to tell a user whose command ``verb`` stopped at a module of an extra they did not install (None when
     the missing module belongs to no extra: a broken install, reported as it is)."""
@@ -39,6 +47,9 @@ def missing_extra_message(exc: ModuleNotFoundError, verb: str) -> str | None:
     if extra is None:
         return None
     root = exc.name.split(".")[0]
+    if exc.name != root and _installed(root):     # the package is there, a module of it is not: another version
+        return (f"'difftrain {verb}' needs {exc.name}, which the installed {root} lacks: pip install "
+                f"'difftrain[{extra}]' installs the versions difftrain pins")
     return (f"'difftrain {verb}' needs {root}, which comes with difftrain's '{extra}' extra: "
             f"pip install 'difftrain[{extra}]' (in a clone: pip install -e '.[{extra}]'; '.[all]' installs every "
             "extra)")
