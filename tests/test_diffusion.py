@@ -371,6 +371,9 @@ def test_x_loss_is_the_v_loss_weighted_by_t_squared():
     v = to_velocity(x_hat, xt, t, "x")
     weighted = flow_loss(v, x0, eps, mask, loss_weight(t, "x"))
     assert torch.allclose(weighted, (x_hat - x0).pow(2).mean(), atol=1e-6)
+    # 'x/t': the x-MSE of each sample over its t
+    per_t = flow_loss(v, x0, eps, mask, loss_weight(t, "x/t"))
+    assert torch.allclose(per_t, ((x_hat - x0).pow(2).mean((1, 2)) / t).mean(), atol=1e-6)
     assert loss_weight(t, "v") is None
     with pytest.raises(ValueError):
         loss_weight(t, "eps")

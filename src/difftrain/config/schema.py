@@ -166,7 +166,8 @@ class DiffusionConfig:
                            default="v")
     loss: str = meta("'v': MSE of the velocity (FLUX); 'x': MSE of the implied clean sample x0 = x_t - t v, "
                      "i.e. the v-MSE weighted by t^2, which moves the emphasis to noisy timesteps, where the "
-                     "prompt decides the image", choices=("v", "x"), default="v")
+                     "prompt decides the image; 'x/t': the x-MSE over t (the v-MSE weighted by t), between the two",
+                     choices=("v", "x", "x/t"), default="v")
 
 
 @dataclass

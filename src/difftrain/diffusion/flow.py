@@ -27,7 +27,7 @@ class FlowSpec:
     shift: str = "none"               # "none" | "fixed" | "resolution"
     shift_value: float = 1.0
     prediction: str = "v"             # "v" | "x"
-    loss: str = "v"                   # "v" | "x": the space the MSE is measured in
+    loss: str = "v"                   # "v" | "x" | "x/t": the space the MSE is measured in
 
     @classmethod
     def from_config(cls, d) -> "FlowSpec":
@@ -35,11 +35,14 @@ class FlowSpec:
 
 
 def loss_weight(t_B: Tensor, loss: str) -> Tensor | None:
-    """Per-sample weight of the v-MSE: None for 'v'; t^2 for 'x' (|x0_hat - x0|^2 = t^2 |v_hat - v|^2)."""
+    """Per-sample weight of the v-MSE: None for 'v'; t^2 for 'x' (|x0_hat - x0|^2 = t^2 |v_hat - v|^2); t for
+    'x/t' (the x-MSE over t: between the two, more weight than 'x' on the low-noise steps that clean up details)."""
     if loss == "v":
         return None
     if loss == "x":
         return t_B.float().pow(2)
+    if loss == "x/t":
+        return t_B.float()
     raise ValueError(f"unknown loss {loss!r}")
 
 
