@@ -23,6 +23,14 @@ def test_presets_load_and_round_trip(preset):
     assert from_dict(tomllib.loads(to_toml(cfg))) == cfg
 
 
+def test_the_dpo_preset_keeps_the_demo_model():
+    """shapes-dpo starts from the demo's checkpoint (dpo.init): its model, text encoder, autoencoder and flow must be
+    the demo's, or the checkpoint does not load (or, for the flow, DPO weighs errors as the base never trained)."""
+    demo, dpo = load_config(REPO_CONFIGS / "shapes-tiny.toml"), load_config(REPO_CONFIGS / "shapes-dpo.toml")
+    for section in ("model", "text", "autoencoder", "diffusion"):
+        assert getattr(dpo, section) == getattr(demo, section), section
+
+
 def test_overrides_are_typed_and_applied():
     cfg = load_config(REPO_CONFIGS / "shapes-tiny.toml",
                       ["train.lr=2e-4", "train.compile=true", "model.axes_dims_rope=[8, 8, 16]", "run.name=abc"])
@@ -40,6 +48,7 @@ def test_overrides_are_typed_and_applied():
     ("train.muon_ns_steps=0", ["train.muon_ns_steps", ">= 1"]),
     ("train.muon_momentum=1", ["train.muon_momentum", "< 1"]),
     ("diffusion.timesteps=gauss", ["diffusion.timesteps", "'gauss'", "'uniform'"]),
+    ("diffusion.loss=eps", ["diffusion.loss", "'eps'", "'x/t'"]),
     ("train.compile=1", ["train.compile", "true or false"]),
     ("train.nope=1", ["train.nope", "unknown key"]),
     ("nope.lr=1", ["[nope]", "unknown section"]),
