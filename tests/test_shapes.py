@@ -119,6 +119,44 @@ def test_world_is_deterministic_and_order_independent() -> None:
     assert a.t2i(3)[2] != a.edit(3)[3].source
 
 
+def test_edit_kind_weights_reweight_training_edits_and_leave_the_evaluated_world_alone() -> None:
+    from difftrain.config import load_config
+    from difftrain.shapes import world_from_config
+    cfg = load_config(None, ["data.edit_kinds={position=3, color=0}"])
+    trained = world_from_config(cfg.data, 3, training=True)
+    evaluated = world_from_config(cfg.data, 3)
+    n = 3000
+    plain = ShapesWorld(3, cfg.data.image_size, cfg.data.frames, tuple(cfg.data.background), cfg.data.motion)
+    base = [plain.spec("edit", i).kind for i in range(n)]  # the training split is not quite uniform over kinds
+    p = {k: base.count(k) / n for k in ("color", "position", "shape", "size")}
+    kinds = [trained.spec("edit", i).kind for i in range(n)]
+    assert kinds.count("color") == 0
+    share = kinds.count("position") / n
+    want = 3 * p["position"] / (3 * p["position"] + p["shape"] + p["size"])
+    assert abs(share - want) < 0.03 and share > 2 * p["position"], (share, want)
+    for split in ("train", "heldout"):                    # the split still holds under the weights
+        ws = trained.with_split(split)
+        assert ws.edit_kinds == trained.edit_kinds
+        assert sum(ws.spec("edit", i).kind == "position" for i in range(400)) > 200
+    assert trained.with_size(64).edit_kinds == trained.edit_kinds
+    # the evaluation's world is the unweighted one, example for example
+    assert evaluated.edit_kinds is None
+    assert all(evaluated.spec("edit", i) == plain.spec("edit", i) for i in range(300))
+    # equal weights are the uniform world itself
+    assert ShapesWorld(3, edit_kinds={"color": 2, "position": 2, "shape": 2, "size": 2}).edit_kinds is None
+
+
+@pytest.mark.parametrize("weights, fragment", [
+    ({"move": 2}, "unknown kind(s) 'move'"), ({"position": -1}, ">= 0"),
+    ({"color": 0, "position": 0, "shape": 0, "size": 0}, "at least one > 0"),
+    ({"position": float("inf")}, "finite"), ({"position": 1000}, "1/50"),
+])
+def test_bad_edit_kind_weights_are_refused(weights, fragment) -> None:
+    with pytest.raises(ValueError, match="edit_kinds") as e:
+        ShapesWorld(0, edit_kinds=weights)
+    assert fragment in str(e.value)
+
+
 # ------------------------------------------------------------------ text
 
 

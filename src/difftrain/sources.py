@@ -78,7 +78,7 @@ class ConfiguredSource:
             return StoreLoader(cfg, tokenize, rank, num_ranks, device)
         from difftrain.shapes import world_from_config
         from difftrain.shapes.loader import ShapesLoader
-        return ShapesLoader(world_from_config(d, cfg.run.seed), autoencoder, text_encoder.tokenize,
+        return ShapesLoader(world_from_config(d, cfg.run.seed, training=True), autoencoder, text_encoder.tokenize,
                             cfg.train.global_batch,
                             {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight},
                             d.world_size, d.caption_dropout, d.keyframe_cond_prob, cfg.run.seed,

@@ -137,6 +137,15 @@ def validate(cfg: Config, source: str = "config") -> None:
         raise UserError(f"{source}: data.background = {d.background}: expected [lo, hi] with 0 <= lo <= hi <= 255")
     if d.t2i_weight + d.edit_weight + d.keyframe_weight <= 0:
         raise UserError(f"{source}: data.t2i_weight + data.edit_weight + data.keyframe_weight must be > 0")
+    if d.edit_kinds:
+        from difftrain.shapes.world import _edit_kind_weights
+        for k, v in d.edit_kinds.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise UserError(f"{source}: data.edit_kinds.{k} = {v!r}: expected a number >= 0")
+        try:
+            _edit_kind_weights(d.edit_kinds)
+        except ValueError as e:
+            raise UserError(f"{source}: data.{e}") from None
     ae = cfg.autoencoder
     if ae.kind == "pixel-unshuffle" and d.image_size % (ae.factor * 2):
         raise UserError(f"{source}: data.image_size = {d.image_size} must be a multiple of "

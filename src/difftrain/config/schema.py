@@ -145,6 +145,9 @@ class DataConfig:
     t2i_weight: float = meta("share of text-to-image batches", ge=0, default=0.5)
     edit_weight: float = meta("share of editing batches", ge=0, default=0.25)
     keyframe_weight: float = meta("share of keyframe batches", ge=0, default=0.25)
+    edit_kinds: dict = meta("training weight of each kind of edit: a table {color, position, shape, size} (a kind not "
+                            "named weighs 1; {} = all equal). The evaluation draws every kind equally whatever this "
+                            "says", factory=dict)
     keyframe_cond_prob: float = meta("probability that a keyframe example gives some frames as clean "
                                      "conditioning (a random non-empty proper subset)", ge=0, le=1,
                                      default=0.5)

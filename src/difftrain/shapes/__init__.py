@@ -13,9 +13,11 @@ from difftrain.shapes.captions import vocabulary
 from difftrain.shapes.world import ShapesWorld
 
 
-def world_from_config(data_cfg, seed: int) -> ShapesWorld:
-    """The shapes world a config describes (``[data]``), for a given seed (training or evaluation)."""
-    return ShapesWorld(seed, data_cfg.image_size, data_cfg.frames, tuple(data_cfg.background), data_cfg.motion)
+def world_from_config(data_cfg, seed: int, training: bool = False) -> ShapesWorld:
+    """The shapes world a config describes (``[data]``), for a given seed. ``training``: the world training
+    draws from, with ``data.edit_kinds``'s weights; without it (evaluation) every edit kind is equally likely."""
+    return ShapesWorld(seed, data_cfg.image_size, data_cfg.frames, tuple(data_cfg.background), data_cfg.motion,
+                       edit_kinds=data_cfg.edit_kinds if training else None)
 
 
 __all__ = ["ShapesWorld", "world_from_config", "vocabulary"]

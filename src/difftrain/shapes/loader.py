@@ -156,8 +156,7 @@ class ShapesLoader:
         b = buckets[int(np.random.default_rng([self.seed, 303, step]).integers(len(buckets)))]
         side = min(b.h, b.w)
         if side not in self._worlds:
-            w = self.world
-            self._worlds[side] = ShapesWorld(w.seed, side, w.frames, w.bg_range, w.motion, w.split)
+            self._worlds[side] = self.world.with_size(side)
         return self._worlds[side], (None if b.h == b.w == side else (b.h, b.w))
 
     def _example_rng(self, step: int, slot: int) -> np.random.Generator:

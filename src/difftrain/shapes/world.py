@@ -431,6 +431,24 @@ def sample_motion(rng: np.random.Generator, frames: int = 4, bg_range: tuple[int
                       start=start, end=end, bg=_bg(rng, bg_range), frames=frames)
 
 
+def _edit_kind_weights(weights: dict[str, float] | None) -> dict[str, float] | None:
+    """Each edit kind's probability of being kept (its weight over the largest), or None for uniform kinds."""
+    if not weights:
+        return None
+    bad = sorted(set(weights) - set(EDIT_KINDS))
+    if bad:
+        raise ValueError(f"edit_kinds: unknown kind(s) {', '.join(map(repr, bad))}; expected {', '.join(EDIT_KINDS)}")
+    full = {k: float(weights.get(k, 1.0)) for k in EDIT_KINDS}
+    if any(not (v >= 0.0 and v < float("inf")) for v in full.values()) or max(full.values()) <= 0.0:
+        raise ValueError(f"edit_kinds = {weights}: expected finite weights >= 0, at least one > 0")
+    top = max(full.values())
+    if min(full.values()) == top:
+        return None
+    if min(v / top for v in full.values() if v > 0) < 0.02:
+        raise ValueError(f"edit_kinds = {weights}: the smallest non-zero weight must be at least 1/50 of the largest")
+    return {k: v / top for k, v in full.items()}
+
+
 _MAX_DRAWS = 1000  # rejection sampling per example; a split keeps >= 1/9 of draws, so this never runs out
 
 
@@ -441,10 +459,16 @@ class ShapesWorld:
     ``HELDOUT_TRIPLES``); ``split="heldout"`` yields only examples whose scene (for an edit, its
     target; for keyframes, some frame) is held out. Both draw from the same distribution as the
     unrestricted world, conditioned by rejection on the split, from one generator per example.
+
+    ``edit_kinds`` (training only) reweights the kinds of edit: an edit of kind k is kept with probability
+    ``edit_kinds[k] / max(edit_kinds)`` (a kind not named weighs 1), by rejection from the example's own
+    generator, so the world stays a pure function of its arguments. Without it every kind is equally likely,
+    as the evaluation draws them.
     """
 
     def __init__(self, seed: int, size: int = 48, frames: int = 4,
-                 bg_range: tuple[int, int] | None = None, motion: str = "any", split: str = "train") -> None:
+                 bg_range: tuple[int, int] | None = None, motion: str = "any", split: str = "train",
+                 edit_kinds: dict[str, float] | None = None) -> None:
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.seed, self.size, self.frames = int(seed), int(size), int(frames)
@@ -456,10 +480,15 @@ class ShapesWorld:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         self.motion, self.split = motion, split
+        self.edit_kinds = _edit_kind_weights(edit_kinds)
 
     def with_split(self, split: str) -> "ShapesWorld":
-        """The same world (seed, size, frames, background, motion) restricted to another split."""
-        return ShapesWorld(self.seed, self.size, self.frames, self.bg_range, self.motion, split)
+        """The same world (seed, size, frames, background, motion, edit kinds) restricted to another split."""
+        return ShapesWorld(self.seed, self.size, self.frames, self.bg_range, self.motion, split, self.edit_kinds)
+
+    def with_size(self, size: int) -> "ShapesWorld":
+        """The same world drawn at another scene size."""
+        return ShapesWorld(self.seed, size, self.frames, self.bg_range, self.motion, self.split, self.edit_kinds)
 
     def _rng(self, task: str, index: int) -> np.random.Generator:
         if index < 0:
@@ -488,8 +517,13 @@ class ShapesWorld:
         rng = self._rng(task, index)
         for _ in range(_MAX_DRAWS):
             spec = self._draw(task, rng)
-            if self._accepts(spec):
-                return spec
+            if not self._accepts(spec):
+                continue
+            if self.edit_kinds is not None and task == "edit":
+                keep = self.edit_kinds[spec.kind]
+                if keep < 1.0 and rng.random() >= keep:
+                    continue
+            return spec
         raise RuntimeError(f"no {self.split} example found for {task} index {index}")  # pragma: no cover
 
     def t2i(self, index: int) -> tuple[np.ndarray, str, ShapeSpec]:
