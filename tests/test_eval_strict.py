@@ -291,6 +291,23 @@ def test_evaluate_counts_ghosts_and_second_shapes(oracle) -> None:
     assert metrics["keyframe_acc"] is None and metrics["keyframe_acc_first"] is None
 
 
+def test_edits_are_also_scored_by_kind(oracle) -> None:
+    def spoil(task, frames, meta):
+        if task == "edit" and meta["spec"].kind == "position":   # a move not done: the source itself
+            frames[0] = meta["source"]
+        return frames
+
+    world = ShapesWorld(12345, size=48, frames=3, motion="across")
+    metrics, gens = evaluate(_Oracle(spoil), world, 24, steps=2, cfg_scale=1.0, tasks=("edit",))
+    for prefix in ("", "heldout_"):
+        edits = [g for g in gens if g.task == "edit" and g.split == ("heldout" if prefix else "train")]
+        kinds = [g.edit_kind for g in edits]
+        assert set(kinds) == {"color", "position", "shape", "size"}
+        assert metrics[prefix + "edit_position_acc"] == 0.0
+        assert all(metrics[f"{prefix}edit_{k}_acc"] == 1.0 for k in ("color", "shape", "size"))
+        assert metrics[prefix + "edit_acc"] == round(1 - kinds.count("position") / len(kinds), 4)
+
+
 def test_generate_task_keeps_its_positional_signature(oracle) -> None:
     world = ShapesWorld(7, size=32, frames=3)
     gens = generate_task(_Oracle(), world, "keyframes", [0, 1], 2, 1.0, 0, "first")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from difftrain.shapes.world import ShapesWorld
+from difftrain.shapes.world import EDIT_KINDS, ShapesWorld
 from difftrain.shapes.evaluate import read_image, score_edit, score_keyframes, score_t2i
 from difftrain.shapes.loader import make_batch
 from difftrain.diffusion.pipeline import Pipeline
@@ -21,8 +21,9 @@ from difftrain.diffusion.pipeline import Pipeline
 KEYFRAME_MODES = ("none", "first")
 HELDOUT_PREFIX = "heldout_"
 # Accuracy keys of one split; the held-out split reports each with HELDOUT_PREFIX in front.
+EDIT_KIND_KEYS = tuple(f"edit_{k}_acc" for k in EDIT_KINDS)   # edit_acc over the edits of one kind
 SPLIT_KEYS = ("t2i_color_acc", "t2i_position_acc", "t2i_shape_acc", "t2i_size_acc", "t2i_acc", "edit_acc",
-              "keyframe_acc", "keyframe_acc_none", "keyframe_acc_first", "one_shape_rate")
+              *EDIT_KIND_KEYS, "keyframe_acc", "keyframe_acc_none", "keyframe_acc_first", "one_shape_rate")
 EVAL_KEYS = SPLIT_KEYS + tuple(HELDOUT_PREFIX + k for k in SPLIT_KEYS) + ("n",)
 
 
@@ -35,6 +36,7 @@ class Generated:
     split: str = "train"              # the world split the prompt came from
     keyframe_given: str | None = None  # keyframes: which frames were given ('none' or 'first')
     one_shape: list[bool] = field(default_factory=list)  # per generated image: read as exactly one shape
+    edit_kind: str | None = None      # edits: which attribute the instruction changes
 
 
 def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[int], steps: int, cfg_scale: float,
@@ -77,7 +79,7 @@ def generate_task(pipe: Pipeline, world: ShapesWorld, task: str, indices: list[i
             elif task == "edit":
                 s = score_edit(imgs[b, 0], m["spec"], m["source"])
                 out.append(Generated(task, batch.prompts[b], [m["source"], imgs[b, 0]], s, split, None,
-                                     [s["one_shape"]]))
+                                     [s["one_shape"]], m["spec"].kind))
             else:
                 readings = [read_image(f) for f in imgs[b]]
                 s = score_keyframes(imgs[b], m["spec"], readings)
@@ -104,10 +106,15 @@ def _split_metrics(results: dict[str, list[Generated]], keyframe_given: str) -> 
         rows = results.get(key)
         return round(float(np.mean([bool(g.score[score]) for g in rows])), 4) if rows else None
 
+    def edit_kind(kind: str) -> float | None:
+        rows = [g for g in results.get("edit", []) if g.edit_kind == kind]
+        return round(float(np.mean([bool(g.score["ok"]) for g in rows])), 4) if rows else None
+
     flags = [f for rows in results.values() for g in rows for f in g.one_shape]
     return {"t2i_color_acc": mean("t2i", "color"), "t2i_position_acc": mean("t2i", "position"),
             "t2i_shape_acc": mean("t2i", "shape"), "t2i_size_acc": mean("t2i", "size"),
             "t2i_acc": mean("t2i", "ok"), "edit_acc": mean("edit", "ok"),
+            **{key: edit_kind(kind) for key, kind in zip(EDIT_KIND_KEYS, EDIT_KINDS)},
             "keyframe_acc": mean(f"keyframes_{keyframe_given}", "ok"),
             "keyframe_acc_none": mean("keyframes_none", "ok"), "keyframe_acc_first": mean("keyframes_first", "ok"),
             "one_shape_rate": round(float(np.mean(flags)), 4) if flags else None}
