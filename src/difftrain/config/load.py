@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from difftrain.config.schema import Config
+from difftrain.config.schema import Config, edit_kind_weights
 from difftrain.errors import UserError
 
 
@@ -138,12 +138,11 @@ def validate(cfg: Config, source: str = "config") -> None:
     if d.t2i_weight + d.edit_weight + d.keyframe_weight <= 0:
         raise UserError(f"{source}: data.t2i_weight + data.edit_weight + data.keyframe_weight must be > 0")
     if d.edit_kinds:
-        from difftrain.shapes.world import _edit_kind_weights
         for k, v in d.edit_kinds.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise UserError(f"{source}: data.edit_kinds.{k} = {v!r}: expected a number >= 0")
         try:
-            _edit_kind_weights(d.edit_kinds)
+            edit_kind_weights(d.edit_kinds)
         except ValueError as e:
             raise UserError(f"{source}: data.{e}") from None
     ae = cfg.autoencoder

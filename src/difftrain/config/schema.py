@@ -98,6 +98,28 @@ class AutoencoderConfig:
     shift: float = meta("see scaling", default=0.0)
 
 
+EDIT_KINDS: tuple[str, ...] = ("color", "position", "shape", "size")   # what a shapes-world edit changes
+
+
+def edit_kind_weights(weights: dict[str, float] | None) -> dict[str, float] | None:
+    """``data.edit_kinds`` as each edit kind's probability of being kept (its weight over the largest), or None for
+    equal kinds. Raises ValueError naming the kind or the weights."""
+    if not weights:
+        return None
+    bad = sorted(set(weights) - set(EDIT_KINDS))
+    if bad:
+        raise ValueError(f"edit_kinds: unknown kind(s) {', '.join(map(repr, bad))}; expected {', '.join(EDIT_KINDS)}")
+    full = {k: float(weights.get(k, 1.0)) for k in EDIT_KINDS}
+    if any(not (v >= 0.0 and v < float("inf")) for v in full.values()) or max(full.values()) <= 0.0:
+        raise ValueError(f"edit_kinds = {weights}: expected finite weights >= 0, at least one > 0")
+    top = max(full.values())
+    if min(full.values()) == top:
+        return None
+    if min(v / top for v in full.values() if v > 0) < 0.02:
+        raise ValueError(f"edit_kinds = {weights}: the smallest non-zero weight must be at least 1/50 of the largest")
+    return {k: v / top for k, v in full.items()}
+
+
 @dataclass
 class DataConfig:
     source: str = meta("what training reads: 'shapes' (the procedural world, rendered on the fly) or 'store' (the "

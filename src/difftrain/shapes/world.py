@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from difftrain.config.schema import EDIT_KINDS, edit_kind_weights
+
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 # Saturated and far apart in RGB (closest pair, blue/purple, is ~115 apart) and at
 # least ~100 away from every grey in BG_RANGE, so colour reading stays unambiguous.
@@ -66,7 +68,6 @@ BG_RANGE: tuple[int, int] = (100, 160)
 JITTER_MAX = 0.07  # max centre offset, as a fraction of the image side
 CELL_MARGIN = 0.03  # gap kept between the shape's box and its cell edge, in cells
 SUPERSAMPLE = 4  # anti-aliasing: coverage is averaged over SUPERSAMPLE^2 samples
-EDIT_KINDS: tuple[str, ...] = ("color", "position", "shape", "size")
 TASK_IDS: dict[str, int] = {"t2i": 0, "edit": 1, "keyframes": 2}
 
 
@@ -431,24 +432,6 @@ def sample_motion(rng: np.random.Generator, frames: int = 4, bg_range: tuple[int
                       start=start, end=end, bg=_bg(rng, bg_range), frames=frames)
 
 
-def _edit_kind_weights(weights: dict[str, float] | None) -> dict[str, float] | None:
-    """Each edit kind's probability of being kept (its weight over the largest), or None for uniform kinds."""
-    if not weights:
-        return None
-    bad = sorted(set(weights) - set(EDIT_KINDS))
-    if bad:
-        raise ValueError(f"edit_kinds: unknown kind(s) {', '.join(map(repr, bad))}; expected {', '.join(EDIT_KINDS)}")
-    full = {k: float(weights.get(k, 1.0)) for k in EDIT_KINDS}
-    if any(not (v >= 0.0 and v < float("inf")) for v in full.values()) or max(full.values()) <= 0.0:
-        raise ValueError(f"edit_kinds = {weights}: expected finite weights >= 0, at least one > 0")
-    top = max(full.values())
-    if min(full.values()) == top:
-        return None
-    if min(v / top for v in full.values() if v > 0) < 0.02:
-        raise ValueError(f"edit_kinds = {weights}: the smallest non-zero weight must be at least 1/50 of the largest")
-    return {k: v / top for k, v in full.items()}
-
-
 _MAX_DRAWS = 1000  # rejection sampling per example; a split keeps >= 1/9 of draws, so this never runs out
 
 
@@ -480,7 +463,7 @@ class ShapesWorld:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         self.motion, self.split = motion, split
-        self.edit_kinds = _edit_kind_weights(edit_kinds)
+        self.edit_kinds = edit_kind_weights(edit_kinds)
 
     def with_split(self, split: str) -> "ShapesWorld":
         """The same world (seed, size, frames, background, motion, edit kinds) restricted to another split."""
