@@ -75,7 +75,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = base_run(a.base, Path(tmp))
         ref, ref_lat, ref_img, _, secs = generate(run, "fp32", a.n)
-        accs = [k for k, v in ref.items() if k.endswith("_acc") or k.endswith("_rate") or "_acc_" in k]
+        accs = [k for k, v in ref.items() if v is not None and (k.endswith("_acc") or k.endswith("_rate") or "_acc_" in k)]
         out: dict = {"run": str(run), "n": a.n, "fp32": {k: ref[k] for k in accs}, "seconds_fp32": round(secs, 1)}
         for fmt in a.formats:
             m, lat, img, q, secs = generate(run, fmt, a.n)
