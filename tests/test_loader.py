@@ -1,9 +1,10 @@
+import numpy as np
 import pytest
 import torch
 
 from difftrain.data.batch import frames_of
 from difftrain.shapes.world import ShapesWorld
-from difftrain.shapes.loader import IndexStream, ShapesLoader, make_batch
+from difftrain.shapes.loader import IndexStream, ShapesLoader, make_batch, pack_pixels, to_tensor
 from difftrain.models.autoencoder import PixelUnshuffleAE
 from difftrain.models.text import WordTextEncoder
 from difftrain.shapes.captions import vocabulary
@@ -83,6 +84,48 @@ def test_ranks_and_micro_batches_read_slices_of_the_same_global_batch():
         ids = [b.tokens["ids"] for b in (g, p0, p1, *micro)]
         assert len({t.shape[1] for t in ids}) == 1
         assert torch.equal(torch.cat([b.tokens["ids"] for b in micro]), g.tokens["ids"])
+
+
+class _Unshuffle(PixelUnshuffleAE):
+    """The same autoencoder under another type: the loader encodes through it, not by packing the bytes."""
+
+
+@pytest.mark.parametrize("factor,h,w", [(4, 32, 32), (8, 48, 48), (2, 8, 24), (8, 48, 96)])
+def test_packing_the_bytes_is_the_unshuffle_and_patchify_bit_for_bit(factor, h, w):
+    from difftrain.tokens import patchify
+    images = np.random.default_rng(factor * h + w).integers(0, 256, (3, 2, h, w, 3), dtype=np.uint8)
+    lat = PixelUnshuffleAE(factor).encode(to_tensor(images).flatten(0, 1))
+    expected = patchify(lat).reshape(3, 2, -1, lat.shape[1] * 4)
+    got = pack_pixels(images, factor)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="do not tile"):
+        pack_pixels(images[:, :, : h - 1], factor)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_loaders_packed_batches_equal_the_encoded_ones(staged):
+    """The loader packs the weightless autoencoder's tokens straight from the bytes and tokenizes a step's prompts
+    once; every batch (each task, with caption dropout, on aspect canvases) equals the one built through
+    ``encode``, micro-batch by micro-batch."""
+    kw = {"stages": _wide_stages()} if staged else {}
+    for mb in (0, 2):
+        a = ShapesLoader(WORLD, AE, TOK, 4, WEIGHTS, world_size=20, caption_dropout=0.2, seed=7, micro_batch=mb, **kw)
+        b = ShapesLoader(ShapesWorld(seed=3, size=32, frames=3), _Unshuffle(4), TOK, 4, WEIGHTS, world_size=20,
+                         caption_dropout=0.2, seed=7, micro_batch=mb, **kw)
+        tasks = set()
+        for _ in range(12):
+            for x, y in zip(next(a), next(b), strict=True):
+                assert _same(x, y) and x.grid == y.grid and x.sample_ids == y.sample_ids
+                assert x.tokens.keys() == y.tokens.keys()
+                assert all(torch.equal(x.tokens[k], y.tokens[k]) for k in x.tokens)
+                tasks.add(x.task)
+        assert tasks == {"t2i", "edit", "keyframes"}
+
+
+def _wide_stages():
+    from difftrain.config.stages import Bucket, Stage
+    return [Stage(0, "low", 0, (Bucket(32, 32, 4, patch=8), Bucket(32, 64, 4, patch=8), Bucket(64, 32, 4, patch=8)))]
 
 
 def test_resume_with_another_global_batch_is_refused():

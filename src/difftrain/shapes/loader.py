@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from difftrain.data.batch import Batch, assemble
+from difftrain.data.batch import Batch, assemble, assemble_packed
 from difftrain.models.text import pad_tokens
 from difftrain.shapes.world import ShapesWorld
-from difftrain.models.autoencoder import Autoencoder
+from difftrain.models.autoencoder import Autoencoder, PixelUnshuffleAE
 
 TASKS = ("t2i", "edit", "keyframes")
 Tokenize = Callable[[list[str]], dict[str, Tensor]]
@@ -36,14 +36,31 @@ def to_tensor(images_uint8: np.ndarray) -> Tensor:
     return x.movedim(-1, -3)
 
 
+def pack_pixels(images_uint8: np.ndarray, factor: int, p: int = 2) -> Tensor:
+    """(B, F, H, W, 3) uint8 -> (B, F, H/(factor p) * W/(factor p), 3 factor² p²) float patch tokens in [-1, 1]:
+    what ``to_tensor``, a ``factor``× pixel unshuffle and ``patchify`` give, bit for bit, in one transpose of the
+    bytes (the float conversion is element-wise, so its order does not change a value)."""
+    B, F, H, W, C = images_uint8.shape
+    s = factor * p
+    if H % s or W % s:
+        raise ValueError(f"images {H}x{W} do not tile into {s}x{s} patch tokens")
+    # pixel (ty*s + ph*factor + i, tx*s + pw*factor + j, c) -> token (ty, tx), channel ((c*factor + i)*factor + j)*p*p
+    # + ph*p + pw: the unshuffle's channel (c, i, j), then patchify's (ph, pw)
+    x = images_uint8.reshape(B, F, H // s, p, factor, W // s, p, factor, C)
+    x = np.ascontiguousarray(x.transpose(0, 1, 2, 5, 8, 4, 7, 3, 6))
+    t = torch.from_numpy(x).reshape(B, F, (H // s) * (W // s), C * s * s)
+    return t.float() / 127.5 - 1.0
+
+
 def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, task: str, indices: list[int],
                keyframe_targets: list[list[bool]] | None = None, dropped: list[bool] | None = None,
-               sample_ids: list[int] | None = None, canvas: tuple[int, int] | None = None) -> Batch:
+               sample_ids: list[int] | None = None, canvas: tuple[int, int] | None = None,
+               tokens: dict[str, Tensor] | None = None) -> Batch:
     """Examples ``indices`` of ``task`` as one assembled batch. ``keyframe_targets[b][f]``: frame f of
     example b is predicted (default: all); ``dropped[b]``: example b gets the empty prompt; ``sample_ids``:
     the examples' global indices in the training stream (what noise and timesteps are drawn from);
     ``canvas``: (h, w) of a canvas the world's square scenes are centred on, as the exported world places
-    them on aspect buckets (default: the scene itself)."""
+    them on aspect buckets (default: the scene itself); ``tokens``: these prompts already tokenized."""
     frames: list[np.ndarray] = []
     prompts: list[str] = []
     targets: list[list[bool]] = []
@@ -70,14 +87,21 @@ def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize,
     if canvas is not None:
         from difftrain.shapes.export import on_canvas
         frames = [np.stack([on_canvas(f, *canvas) for f in seq]) for seq in frames]
-    pixels = to_tensor(np.stack(frames))                   # (B, F, 3, H, W)
-    B, F = pixels.shape[:2]
-    weight = next(autoencoder.parameters(), None)          # encode where the autoencoder lives (GPU or CPU)
-    with torch.no_grad():
-        lat = autoencoder.encode(pixels.flatten(0, 1).to(weight.device if weight is not None else "cpu"))
-    lat = lat.reshape(B, F, *lat.shape[1:])
+    images = np.stack(frames)                              # (B, F, H, W, 3) uint8
+    B, F, H, W = images.shape[:4]
     frame_index = [0] if task == "t2i" else ([0, 1] if task == "edit" else list(range(F)))
-    batch = assemble(lat, frame_index, torch.tensor(targets), tokenize(prompts), prompts, task, meta)
+    tokens = tokenize(prompts) if tokens is None else tokens
+    if type(autoencoder) is PixelUnshuffleAE:              # weightless: the bytes packed straight into tokens
+        f = autoencoder.factor
+        batch = assemble_packed(pack_pixels(images, f), H // f, W // f, frame_index, torch.tensor(targets), tokens,
+                                prompts, task, meta)
+    else:
+        pixels = to_tensor(images)                         # (B, F, 3, H, W)
+        weight = next(autoencoder.parameters(), None)      # encode where the autoencoder lives (GPU or CPU)
+        with torch.no_grad():
+            lat = autoencoder.encode(pixels.flatten(0, 1).to(weight.device if weight is not None else "cpu"))
+        lat = lat.reshape(B, F, *lat.shape[1:])
+        batch = assemble(lat, frame_index, torch.tensor(targets), tokens, prompts, task, meta)
     batch.sample_ids = list(sample_ids) if sample_ids is not None else list(indices)
     return batch
 
@@ -169,30 +193,34 @@ class ShapesLoader:
         step, task = self.step, self._task_at(self.step)
         indices = self.streams[task].take(self.global_batch)   # every rank advances the same global plan
         self.step += 1
-        lengths = self._text_lengths(step, task, indices)
+        whole = self.micro_batch == self.global_batch       # one micro-batch is the global batch: tokenized once
+        tokens = self._global_tokens(step, task, indices, quiet=not whole)
         world, canvas = self._bucket_at(step)
         lo = self.rank * self.share
         out = []
         for m in range(lo, lo + self.share, self.micro_batch):
             slots = range(m, m + self.micro_batch)
             batch = self._build(task, [indices[s] for s in slots], [self._example_rng(step, s) for s in slots],
-                                [step * self.global_batch + s for s in slots], world, canvas)
-            batch.tokens = {k: pad_tokens({k: v}, lengths[k])[k] for k, v in batch.tokens.items()}
+                                [step * self.global_batch + s for s in slots], world, canvas,
+                                tokens if whole else None)
+            if not whole:
+                batch.tokens = {k: pad_tokens({k: v}, tokens[k].shape[1])[k] for k, v in batch.tokens.items()}
             out.append(batch)
         return out
 
-    def _text_lengths(self, step: int, task: str, indices: list[int]) -> dict[str, int]:
-        """Token length per key of the whole global batch's prompts. Every micro-batch is padded to it, so a
+    def _global_tokens(self, step: int, task: str, indices: list[int], quiet: bool) -> dict[str, Tensor]:
+        """The whole global batch's prompts, tokenized. Every micro-batch is padded to their lengths, so a
         sample sees the same (attended) padding however the global batch is split over ranks and
-        micro-batches; prompts only, nothing is rendered."""
+        micro-batches; prompts only, nothing is rendered (``quiet``: the micro-batches' own tokenization warns)."""
         prompts = []
         for slot, index in enumerate(indices):
             _, dropped = self._draws(task, self._example_rng(step, slot))
             prompts.append("" if dropped else self.world.prompt(task, index))
-        with warnings.catch_warnings():            # the micro-batches' own tokenization warns once
+        if not quiet:
+            return self.tokenize(prompts)
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tokens = self.tokenize(prompts)
-        return {k: v.shape[1] for k, v in tokens.items()}
+            return self.tokenize(prompts)
 
     # --- materialising examples -----------------------------------------------------------------
     def _draws(self, task: str, rng: np.random.Generator) -> tuple[list[bool] | None, bool]:
@@ -201,12 +229,13 @@ class ShapesLoader:
         return targets, bool(rng.random() < self.caption_dropout)
 
     def _build(self, task: str, indices: list[int], rngs: list[np.random.Generator], sample_ids: list[int],
-               world: ShapesWorld | None = None, canvas: tuple[int, int] | None = None) -> Batch:
+               world: ShapesWorld | None = None, canvas: tuple[int, int] | None = None,
+               tokens: dict[str, Tensor] | None = None) -> Batch:
         draws = [self._draws(task, rng) for rng in rngs]
         targets = [t for t, _ in draws] if task == "keyframes" else None
         dropped = [d for _, d in draws]
         return make_batch(world or self.world, self.autoencoder, self.tokenize, task, indices, targets, dropped,
-                          sample_ids, canvas)
+                          sample_ids, canvas, tokens)
 
     def _keyframe_targets(self, k: int, rng: np.random.Generator) -> list[bool]:
         """All frames are targets, or (with keyframe_cond_prob) a proper subset is given: the first g

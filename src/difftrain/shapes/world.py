@@ -432,6 +432,7 @@ def sample_motion(rng: np.random.Generator, frames: int = 4, bg_range: tuple[int
                       start=start, end=end, bg=_bg(rng, bg_range), frames=frames)
 
 
+_SPEC_MEMO = 8192  # specs a world keeps (a step's global batch is read twice: its prompts, then its pixels)
 _MAX_DRAWS = 1000  # rejection sampling per example; a split keeps >= 1/9 of draws, so this never runs out
 
 
@@ -464,6 +465,9 @@ class ShapesWorld:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         self.motion, self.split = motion, split
         self.edit_kinds = edit_kind_weights(edit_kinds)
+        # The specs drawn last (immutable), so a loader that reads a step's prompts and then renders the same
+        # examples draws each spec once; bounded, and a pure cache: the world stays a function of its arguments.
+        self._specs: dict[tuple[str, int], ShapeSpec | EditSpec | MotionSpec] = {}
 
     def with_split(self, split: str) -> "ShapesWorld":
         """The same world (seed, size, frames, background, motion, edit kinds) restricted to another split."""
@@ -471,7 +475,9 @@ class ShapesWorld:
 
     def with_size(self, size: int) -> "ShapesWorld":
         """The same world drawn at another scene size."""
-        return ShapesWorld(self.seed, size, self.frames, self.bg_range, self.motion, self.split, self.edit_kinds)
+        world = ShapesWorld(self.seed, size, self.frames, self.bg_range, self.motion, self.split, self.edit_kinds)
+        world._specs = self._specs          # a spec does not depend on the size it is drawn at
+        return world
 
     def _rng(self, task: str, index: int) -> np.random.Generator:
         if index < 0:
@@ -497,6 +503,16 @@ class ShapesWorld:
 
     def spec(self, task: str, index: int) -> ShapeSpec | EditSpec | MotionSpec:
         """The spec of example ``index`` of ``task`` in this split, without rendering it."""
+        key = (task, int(index))
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._draw_spec(task, index)
+            if len(self._specs) >= _SPEC_MEMO:
+                self._specs.clear()
+            self._specs[key] = spec
+        return spec
+
+    def _draw_spec(self, task: str, index: int) -> ShapeSpec | EditSpec | MotionSpec:
         rng = self._rng(task, index)
         for _ in range(_MAX_DRAWS):
             spec = self._draw(task, rng)
