@@ -19,6 +19,8 @@ CONFIGS = {
     "guidance+pos": DiTParams(in_channels=16, text_dim=32, pooled_dim=24, hidden=64, heads=4, double_blocks=1,
                               single_blocks=3, axes_dims_rope=(4, 6, 6), guidance_embed=True,
                               abs_pos_embed=True, mlp_ratio=3.0, qkv_bias=False),
+    "double only": DiTParams(in_channels=16, text_dim=32, pooled_dim=24, hidden=64, heads=4, double_blocks=2,
+                             single_blocks=0, axes_dims_rope=(4, 6, 6)),
 }
 # (grid side, text tokens): short sequences, where Linears dominate, and a long one, where attention
 # is most of the FLOPs, so a formula that dropped or mis-scaled attention would fail the 5% check.

@@ -247,3 +247,26 @@ def test_sampling_shards_every_linear_layer_of_the_blocks_and_training_every_blo
     assert own and all(n.endswith(("query_norm", "key_norm")) for n in own)
     with pytest.raises(ValueError, match="granularity 'tensor'"):
         fsdp_units(dit, "tensor")
+
+
+def test_clip_grad_norm_scales_every_gradient_by_the_global_norm():
+    """One global norm over every gradient (float32 and bf16 alike); clipping scales them all by max_norm / norm, in
+    place, and returns the norm before clipping; an infinite max_norm leaves them as they are."""
+    from difftrain.parallel.fsdp import clip_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in ((3, 4), (5,), (2, 2, 2))]
+    params.append(torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16)))
+    grads = [torch.randn(q.shape, generator=g).to(q.dtype) * 3 for q in params]
+    for q, gr in zip(params, grads):
+        q.grad = gr.clone()
+    params.append(torch.nn.Parameter(torch.zeros(2)))          # no gradient: ignored
+    norm = torch.sqrt(sum(gr.float().pow(2).sum() for gr in grads))
+    assert torch.allclose(clip_grad_norm(params, float("inf")), norm, rtol=1e-3)
+    assert all(torch.equal(q.grad, gr) for q, gr in zip(params, grads))
+    total = clip_grad_norm(params, 1.0)
+    assert torch.allclose(total, norm, rtol=1e-3) and norm > 1
+    after = torch.sqrt(sum(q.grad.float().pow(2).sum() for q in params[:-1]))
+    assert after == pytest.approx(1.0, rel=1e-2)
+    for q, gr in zip(params, grads):
+        assert torch.allclose(q.grad.float(), gr.float() / norm, rtol=1e-2, atol=1e-3)

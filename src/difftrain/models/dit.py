@@ -102,12 +102,14 @@ class MMDiT(nn.Module):
             keep_t = txt_mask_BT if txt_mask_BT is not None else torch.ones(B, T, device=img.device)
             keep_i = img_mask_BL if img_mask_BL is not None else torch.ones(B, img.shape[1], device=img.device)
             mask = torch.cat((keep_t.bool(), keep_i.bool()), 1)[:, None, None, :]
-        for block in self.double_blocks:
-            img, txt = block(img, txt, vec, rope, mask)
-        x = torch.cat((txt, img), 1)
-        for block in self.single_blocks:
-            x = block(x, vec, rope, mask)
-        return self.final_layer(x[:, T:], vec)
+        # Only the image tokens of the last block are read: its text rows' MLP and projections are skipped.
+        n_double, n_single = len(self.double_blocks), len(self.single_blocks)
+        for i, block in enumerate(self.double_blocks):
+            img, txt = block(img, txt, vec, rope, mask, text_out=n_single > 0 or i < n_double - 1)
+        x = torch.cat((txt, img), 1) if n_single else img
+        for i, block in enumerate(self.single_blocks):
+            x = block(x, vec, rope, mask, keep_from=T if i == n_single - 1 else 0)
+        return self.final_layer(x, vec)
 
     @torch.no_grad()
     def init_weights(self, scheme: str = "zero-out", seed: int = 0, write: WriteFn | None = None,

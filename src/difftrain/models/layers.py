@@ -153,7 +153,9 @@ class DoubleStreamBlock(nn.Module):
         self.attention = Attention()
 
     def forward(self, img: Tensor, txt: Tensor, vec: Tensor, rope: tuple[Tensor, Tensor],
-                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                mask: Tensor | None = None, text_out: bool = True) -> tuple[Tensor, Tensor]:
+        """``text_out = False`` (the last block, when no single block follows): the text stream's keys and values
+        are used, its output is not, so its projection and MLP are not computed (``txt`` is returned as given)."""
         img_mod1, img_mod2 = self.img_mod(vec)
         txt_mod1, txt_mod2 = self.txt_mod(vec)
         iq, ik, iv = self.img_attn.qkv_heads(img_mod1.modulate(img))
@@ -163,6 +165,8 @@ class DoubleStreamBlock(nn.Module):
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
         img = img_mod1.gated(img, self.img_attn.proj(img_attn))
         img = img_mod2.gated(img, self.img_mlp(img_mod2.modulate(img)))
+        if not text_out:
+            return img, txt
         txt = txt_mod1.gated(txt, self.txt_attn.proj(txt_attn))
         txt = txt_mod2.gated(txt, self.txt_mlp(txt_mod2.modulate(txt)))
         return img, txt
@@ -181,12 +185,18 @@ class SingleStreamBlock(nn.Module):
         self.modulation = Modulation(dim, 1)
         self.attention = Attention()
 
-    def forward(self, x: Tensor, vec: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, vec: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None = None,
+                keep_from: int = 0) -> Tensor:
+        """The block over every row of ``x``; ``keep_from = T`` (the last block): only rows T onward (the image) are
+        returned, and the MLP and output projection run on those rows alone (every row is still a key and value)."""
         (mod,) = self.modulation(vec)
         qkv, mlp = self.linear1(mod.modulate(x)).split([3 * self.dim, self.mlp_hidden], dim=-1)
         q, k, v = _split_heads(qkv, self.heads)
         q, k = self.norm(q, k)
-        out = self.linear2(torch.cat((self.attention(q, k, v, rope, mask), F.gelu(mlp, approximate="tanh")), dim=-1))
+        attn = self.attention(q, k, v, rope, mask)
+        if keep_from:
+            x, attn, mlp = x[:, keep_from:], attn[:, keep_from:], mlp[:, keep_from:]
+        out = self.linear2(torch.cat((attn, F.gelu(mlp, approximate="tanh")), dim=-1))
         return mod.gated(x, out)
 
 

@@ -13,6 +13,8 @@ where, concretely,
     per token   img_in 2*C*D*L, txt_in 2*text_dim*D*T, pos_in 2*48*D*L (if abs_pos_embed),
                 each double block 2*(4D^2 + 2DM)*L (img weights) + 2*(4D^2 + 2DM)*T (txt weights),
                 each single block 2*(4D^2 + 2DM)*S (linear1 D->3D+M, linear2 D+M->D),
+                less, in the last block, what its T text rows skip (they are keys and values only): a last
+                single block's linear2 2*(D^2 + DM)*T, a last double block's proj and MLP 2*(D^2 + 2DM)*T,
                 final linear 2*D*C*L;
     per sample  time_in 2*(256D + D^2), vector_in 2*(pooled*D + D^2), guidance_in 2*(256D + D^2),
                 double-block adaLN 2*2*D*6D, single-block adaLN 2*D*3D, final adaLN 2*D*2D;
@@ -68,6 +70,12 @@ def forward_flops(params: DiTParams, img_tokens: int, txt_tokens: int) -> int:
     if p.abs_pos_embed:
         per_token += _linear(_POS_FEATURES, D) * L
     per_token += p.double_blocks * block_per_token * (L + T) + p.single_blocks * block_per_token * S
+    # The last block's text rows feed only its attention (keys and values): their MLP and output projection are
+    # skipped (the single block's fused linear1 still runs on them; a last double block runs only their qkv).
+    if p.single_blocks:
+        per_token -= (_linear(D, D) + _linear(M, D)) * T
+    elif p.double_blocks:
+        per_token -= (_linear(D, D) + _linear(D, M) + _linear(M, D)) * T
 
     per_sample = _linear(_TIMESTEP_DIM, D) + _linear(D, D) + _linear(p.pooled_dim, D) + _linear(D, D)
     if p.guidance_embed:

@@ -140,7 +140,10 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     total = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
     if max_norm < float("inf"):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        groups: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
             local = g.to_local() if isinstance(g, DTensor) else g
-            local.mul_(coef.to(local.device, local.dtype))
+            groups.setdefault((local.device, local.dtype), []).append(local)
+        for (device, dtype), locals_ in groups.items():     # one call per device and dtype, not one per tensor
+            torch._foreach_mul_(locals_, coef.to(device, dtype))
     return total
