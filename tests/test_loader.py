@@ -128,6 +128,40 @@ def _wide_stages():
     return [Stage(0, "low", 0, (Bucket(32, 32, 4, patch=8), Bucket(32, 64, 4, patch=8), Bucket(64, 32, 4, patch=8)))]
 
 
+def test_a_step_built_ahead_is_the_step_and_the_state_stays_that_of_the_steps_taken():
+    """``prefetch`` builds the next step in a thread: the same batches as building it when asked; while it is pending
+    (or built and not taken) the state is that of the steps taken, so a checkpoint then resumes at the right step;
+    loading a state drops it; an error while building is raised where the step is taken."""
+    plain, ahead = loader(), loader()
+    for _ in range(8):
+        before = ahead.state_dict()
+        ahead.prefetch()
+        ahead.prefetch()                       # a second call while one is pending changes nothing
+        assert ahead.state_dict() == before
+        assert _same(one(plain), one(ahead))
+        assert ahead.state_dict() == plain.state_dict() != before
+    ahead.prefetch()
+    state = ahead.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert _same(one(resumed), one(plain))
+    ahead.load_state_dict(before)              # the pending step is dropped, the loader goes back
+    again = loader()
+    again.load_state_dict(before)
+    assert _same(one(ahead), one(again))
+
+    class Broken(ShapesWorld):
+        def t2i(self, index):
+            raise RuntimeError(f"cannot render {index}")
+
+    bad = ShapesLoader(Broken(seed=3, size=32, frames=3), AE, TOK, 4, {"t2i": 1.0}, world_size=20, seed=7)
+    bad.prefetch()
+    with pytest.raises(RuntimeError, match="cannot render"):
+        next(bad)
+    with pytest.raises(RuntimeError, match="cannot render"):      # and again, without a step built ahead
+        next(bad)
+
+
 def test_resume_with_another_global_batch_is_refused():
     state = loader(global_batch=4).state_dict()
     with pytest.raises(ValueError, match="global batch"):

@@ -14,6 +14,7 @@ optimizer steps, so a run resumes exactly on any process count that divides the 
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Callable
 
@@ -164,6 +165,8 @@ class ShapesLoader:
         self.stages = list(stages) if stages else None
         self._worlds = {world.size: world}
         self.step = 0
+        self._pending: tuple[threading.Thread, dict] | None = None     # the next step, being built (``prefetch``)
+        self._taken: dict | None = None                                 # the state of the steps taken meanwhile
 
     # --- the plan -------------------------------------------------------------------------------
     def _task_at(self, step: int) -> str:
@@ -189,7 +192,40 @@ class ShapesLoader:
     def __iter__(self) -> "ShapesLoader":
         return self
 
+    def prefetch(self) -> None:
+        """Start building the next step's micro-batches in a thread; ``__next__`` takes them. The trainer calls this
+        as its backward pass starts: autograd runs without the GIL, so rendering overlaps it. The batches are those
+        ``__next__`` would build; ``state_dict`` goes on describing the steps taken until they are taken."""
+        if self._pending is not None:
+            return
+        self._taken = self.state_dict()
+        box: dict = {}
+
+        def build() -> None:
+            try:
+                box["batches"] = self._next_step()
+            except BaseException as e:          # raised where the step is taken
+                box["error"] = e
+
+        thread = threading.Thread(target=build, name="difftrain-shapes-prefetch", daemon=True)
+        self._pending = (thread, box)
+        thread.start()
+
+    def _take_pending(self) -> list[Batch] | None:
+        if self._pending is None:
+            return None
+        thread, box = self._pending
+        thread.join()
+        self._pending, self._taken = None, None
+        if "error" in box:
+            raise box["error"]
+        return box["batches"]
+
     def __next__(self) -> list[Batch]:
+        batches = self._take_pending()
+        return batches if batches is not None else self._next_step()
+
+    def _next_step(self) -> list[Batch]:
         step, task = self.step, self._task_at(self.step)
         indices = self.streams[task].take(self.global_batch)   # every rank advances the same global plan
         self.step += 1
@@ -248,10 +284,15 @@ class ShapesLoader:
 
     # --- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        if self._taken is not None:           # a step is being built ahead: the state is the steps taken
+            return {**self._taken, "streams": {t: dict(s) for t, s in self._taken["streams"].items()}}
         return {"kind": "shapes", "step": self.step, "global_batch": self.global_batch,
                 "streams": {t: s.state_dict() for t, s in self.streams.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        if self._pending is not None:         # a step built ahead of the state being loaded is dropped
+            self._pending[0].join()
+            self._pending, self._taken = None, None
         if state.get("kind", "shapes") != "shapes":
             raise ValueError("the checkpoint's loader state is a latent store's (data.source = 'store'); resume "
                              "with the same data.source")

@@ -166,6 +166,8 @@ class Trainer(TrainerOutputs):
                                    self.device, self.micro_batch)
         if hasattr(self.loader, "fault_hook"):       # DIFFTRAIN_FAULTS=unreadable@STEP: a row read as damaged
             self.loader.fault_hook = faults.unreadable_at
+        # a loader that builds steps on the host (the shapes world) builds the next one during the backward pass
+        self.prefetch = getattr(self.loader, "prefetch", None)
         self.step = self.samples_seen = self.restarts = 0
         self.train_seconds = self.stall_s = 0.0
         self.budget = TimeBudget(tc.steps, tc.minutes, self._mean_over_ranks)
@@ -420,6 +422,8 @@ class Trainer(TrainerOutputs):
             with phases.phase("forward"):
                 micro = self.objective.loss(self.denoiser, batch, self.cfg.run.seed, self.step, normalizer)
             loss = micro.loss * float("nan") if poison else micro.loss
+            if i == len(batches) - 1 and self.prefetch is not None:
+                self.prefetch()          # the next step's data is built while autograd runs without the GIL
             with phases.phase("backward"):
                 loss.backward()
             total += loss.detach()
