@@ -162,6 +162,39 @@ def test_a_step_built_ahead_is_the_step_and_the_state_stays_that_of_the_steps_ta
         next(bad)
 
 
+def test_an_edits_changed_tokens_weigh_what_edit_changed_weight_says():
+    """``edit_changed_weight``: an edit's target tokens with any pixel unlike the reference's weigh w in the loss and
+    in its count, every other token 1 (a keyframe or t2i batch carries no weights); the objective divides by the sum."""
+    from difftrain.diffusion.flow import FlowSpec, flow_loss
+    from difftrain.train.objectives import FlowMatching
+
+    ld = ShapesLoader(ShapesWorld(seed=5, size=48, frames=3), PixelUnshuffleAE(8), TOK, 8,
+                      {"edit": 1.0, "t2i": 1.0}, world_size=40, seed=2, edit_changed_weight=4.0)
+    kinds, seen_edit = set(), False
+    for _ in range(10):
+        b = one(ld)
+        if b.task != "edit":
+            assert b.weight_BL is None
+            continue
+        seen_edit = True
+        L = b.x0_BLC.shape[1] // 2
+        changed = (b.x0_BLC[:, :L] != b.x0_BLC[:, L:]).any(-1)          # the tokens are the pixels, exactly
+        assert changed.any(1).all()                                      # every edit changes something
+        assert torch.equal(b.weight_BL[:, :L], torch.where(changed, 4.0, 1.0)) and (b.weight_BL[:, L:] == 1).all()
+        kinds |= {m["spec"].kind for m in b.meta}
+        counted = b.loss_mask_BL.float()
+        assert FlowMatching(FlowSpec()).count(b) == float((counted * b.weight_BL).sum()) == L * len(b) + 3 * float(changed.sum())
+        v, eps = torch.randn_like(b.x0_BLC), torch.randn_like(b.x0_BLC)
+        err = (v - (eps - b.x0_BLC)).pow(2).mean(-1)
+        expect = (err * counted * b.weight_BL).sum() / (counted * b.weight_BL).sum()
+        assert torch.allclose(flow_loss(v, b.x0_BLC, eps, b.loss_weight_BL), expect)
+        assert torch.equal(b.rows(slice(1, 3)).weight_BL, b.weight_BL[1:3]) and b.to("cpu").weight_BL is not None
+    assert seen_edit and {"position", "color"} <= kinds
+    plain = ShapesLoader(ShapesWorld(seed=5, size=48, frames=3), PixelUnshuffleAE(8), TOK, 8, {"edit": 1.0},
+                         world_size=40, seed=2)
+    assert one(plain).weight_BL is None
+
+
 def test_resume_with_another_global_batch_is_refused():
     state = loader(global_batch=4).state_dict()
     with pytest.raises(ValueError, match="global batch"):

@@ -82,7 +82,8 @@ class ConfiguredSource:
                             cfg.train.global_batch,
                             {"t2i": d.t2i_weight, "edit": d.edit_weight, "keyframes": d.keyframe_weight},
                             d.world_size, d.caption_dropout, d.keyframe_cond_prob, cfg.run.seed,
-                            micro_batch=micro_batch, rank=rank, num_ranks=num_ranks, stages=self.shapes_stages())
+                            micro_batch=micro_batch, rank=rank, num_ranks=num_ranks, stages=self.shapes_stages(),
+                            edit_changed_weight=d.edit_changed_weight)
 
     def shapes_stages(self):
         """The curriculum the on-the-fly shapes source follows (``data.stages``; None without one): each step

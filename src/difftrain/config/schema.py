@@ -170,6 +170,10 @@ class DataConfig:
     edit_kinds: dict = meta("training weight of each kind of edit: a table {color, position, shape, size} (a kind not "
                             "named weighs 1; {} = all equal). The evaluation draws every kind equally whatever this "
                             "says", factory=dict)
+    edit_changed_weight: float = meta("loss weight of an edit's target tokens that differ from its reference frame (what "
+                                      "the edit changes: a recoloured shape's token; a move's old and new cell); the "
+                                      "other target tokens weigh 1, and the step's loss is divided by the sum of the "
+                                      "weights (1 = every target token alike)", ge=1, le=100, default=1.0)
     keyframe_cond_prob: float = meta("probability that a keyframe example gives some frames as clean "
                                      "conditioning (a random non-empty proper subset)", ge=0, le=1,
                                      default=0.5)

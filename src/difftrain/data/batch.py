@@ -42,6 +42,8 @@ class Batch:
     # the user's loss mask: False on target tokens that are noised and predicted but neither count in the loss nor
     # in its token count (``counted``); None = every target token counts
     keep_BL: Tensor | None = None
+    # per-token weights of the loss on the tokens it counts (``data.edit_changed_weight``); None = every token 1
+    weight_BL: Tensor | None = None
     # a DPO step's replay micro-batch (``dpo.replay_weight``): samples of the base's training data, moved with this one
     replay: "Batch | None" = None
 
@@ -50,12 +52,19 @@ class Batch:
         """Tokens the loss is taken on: targets the loss mask keeps."""
         return self.loss_mask_BL if self.keep_BL is None else self.loss_mask_BL & self.keep_BL
 
+    @property
+    def loss_weight_BL(self) -> Tensor:
+        """Each token's weight in the loss and its count: ``counted_BL`` as 0/1, times ``weight_BL`` where given."""
+        w = self.counted_BL.float()
+        return w if self.weight_BL is None else w * self.weight_BL
+
     def _map(self, fn) -> "Batch":
         text = None if self.text is None else TextEmbedding(fn(self.text.txt_BTD), fn(self.text.pooled_BP),
                                                             fn(self.text.mask_BT))
         return replace(self, x0_BLC=fn(self.x0_BLC), ids_BL3=fn(self.ids_BL3), loss_mask_BL=fn(self.loss_mask_BL),
                        tokens={k: fn(v) for k, v in self.tokens.items()}, text=text,
                        keep_BL=None if self.keep_BL is None else fn(self.keep_BL),
+                       weight_BL=None if self.weight_BL is None else fn(self.weight_BL),
                        replay=None if self.replay is None else self.replay._map(fn))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
@@ -75,7 +84,8 @@ class Batch:
         return replace(self, x0_BLC=self.x0_BLC[sl], ids_BL3=self.ids_BL3[sl], loss_mask_BL=self.loss_mask_BL[sl],
                        tokens={k: v[sl] for k, v in self.tokens.items()}, prompts=self.prompts[sl],
                        meta=self.meta[sl], sample_ids=self.sample_ids[sl], repeats=self.repeats[sl], text=text,
-                       keep_BL=None if self.keep_BL is None else self.keep_BL[sl], replay=None)
+                       keep_BL=None if self.keep_BL is None else self.keep_BL[sl],
+                       weight_BL=None if self.weight_BL is None else self.weight_BL[sl], replay=None)
 
 
 def assemble(latents_BFCHW: Tensor, indices: list[int], target_BF: Tensor, tokens: dict[str, Tensor],

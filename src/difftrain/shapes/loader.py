@@ -53,15 +53,28 @@ def pack_pixels(images_uint8: np.ndarray, factor: int, p: int = 2) -> Tensor:
     return t.float() / 127.5 - 1.0
 
 
+def changed_token_weights(edit_images: np.ndarray, token_pixels: int, weight: float) -> Tensor:
+    """(B, 2 L) loss weights of edit examples ((B, 2, H, W, 3): target, reference): ``weight`` on the target's
+    tokens with any pixel unlike the reference's (a token covers ``token_pixels`` squared pixels), 1 elsewhere."""
+    B, _, H, W, _ = edit_images.shape
+    s = token_pixels
+    diff = (edit_images[:, 0] != edit_images[:, 1]).any(-1)                       # (B, H, W)
+    changed = diff.reshape(B, H // s, s, W // s, s).any(axis=(2, 4)).reshape(B, -1)
+    w = torch.ones(B, 2 * changed.shape[1])
+    w[:, : changed.shape[1]] = torch.from_numpy(np.where(changed, np.float32(weight), np.float32(1.0)))
+    return w
+
+
 def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, task: str, indices: list[int],
                keyframe_targets: list[list[bool]] | None = None, dropped: list[bool] | None = None,
                sample_ids: list[int] | None = None, canvas: tuple[int, int] | None = None,
-               tokens: dict[str, Tensor] | None = None) -> Batch:
+               tokens: dict[str, Tensor] | None = None, changed_weight: float = 1.0) -> Batch:
     """Examples ``indices`` of ``task`` as one assembled batch. ``keyframe_targets[b][f]``: frame f of
     example b is predicted (default: all); ``dropped[b]``: example b gets the empty prompt; ``sample_ids``:
     the examples' global indices in the training stream (what noise and timesteps are drawn from);
     ``canvas``: (h, w) of a canvas the world's square scenes are centred on, as the exported world places
-    them on aspect buckets (default: the scene itself); ``tokens``: these prompts already tokenized."""
+    them on aspect buckets (default: the scene itself); ``tokens``: these prompts already tokenized;
+    ``changed_weight``: an edit's target tokens whose pixels differ from the reference's weigh this in the loss."""
     frames: list[np.ndarray] = []
     prompts: list[str] = []
     targets: list[list[bool]] = []
@@ -103,6 +116,8 @@ def make_batch(world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize,
             lat = autoencoder.encode(pixels.flatten(0, 1).to(weight.device if weight is not None else "cpu"))
         lat = lat.reshape(B, F, *lat.shape[1:])
         batch = assemble(lat, frame_index, torch.tensor(targets), tokens, prompts, task, meta)
+    if task == "edit" and changed_weight != 1.0:
+        batch.weight_BL = changed_token_weights(images, autoencoder.factor * 2, changed_weight)
     batch.sample_ids = list(sample_ids) if sample_ids is not None else list(indices)
     return batch
 
@@ -144,7 +159,7 @@ class ShapesLoader:
     def __init__(self, world: ShapesWorld, autoencoder: Autoencoder, tokenize: Tokenize, global_batch: int,
                  weights: dict[str, float], world_size: int, caption_dropout: float = 0.0,
                  keyframe_cond_prob: float = 0.5, seed: int = 0, micro_batch: int = 0, rank: int = 0,
-                 num_ranks: int = 1, stages: list | None = None):
+                 num_ranks: int = 1, stages: list | None = None, edit_changed_weight: float = 1.0):
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
         if global_batch % num_ranks:
@@ -161,6 +176,7 @@ class ShapesLoader:
         w = np.array([weights[t] for t in self.tasks], dtype=np.float64)
         self.probs = w / w.sum()
         self.caption_dropout, self.keyframe_cond_prob, self.seed = caption_dropout, keyframe_cond_prob, seed
+        self.edit_changed_weight = float(edit_changed_weight)
         self.streams = {t: IndexStream(world_size, seed, TASKS.index(t)) for t in self.tasks}
         self.stages = list(stages) if stages else None
         self._worlds = {world.size: world}
@@ -271,7 +287,7 @@ class ShapesLoader:
         targets = [t for t, _ in draws] if task == "keyframes" else None
         dropped = [d for _, d in draws]
         return make_batch(world or self.world, self.autoencoder, self.tokenize, task, indices, targets, dropped,
-                          sample_ids, canvas, tokens)
+                          sample_ids, canvas, tokens, self.edit_changed_weight)
 
     def _keyframe_targets(self, k: int, rng: np.random.Generator) -> list[bool]:
         """All frames are targets, or (with keyframe_cond_prob) a proper subset is given: the first g

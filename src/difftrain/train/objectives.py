@@ -122,7 +122,8 @@ class FlowMatching:
         self.spec = spec
 
     def count(self, batch: Batch) -> float:
-        return float(batch.counted_BL.sum())      # target tokens the user's loss mask keeps
+        # target tokens the user's loss mask keeps (each by its weight, where a batch weighs tokens)
+        return float(batch.counted_BL.sum()) if batch.weight_BL is None else float(batch.loss_weight_BL.sum())
 
     def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float | Tensor) -> MicroLoss:
         b = model.on_device(batch)
@@ -132,7 +133,8 @@ class FlowMatching:
         xt = noisy_input(b.x0_BLC, eps, t, b.loss_mask_BL)
         emb = model.embed_text(b)
         out, xt = model(b, xt, t, emb)
-        x0, eps, mask = model.local(b.x0_BLC), model.local(eps), model.local(b.counted_BL, False)
+        x0, eps = model.local(b.x0_BLC), model.local(eps)
+        mask = model.local(b.counted_BL, False) if b.weight_BL is None else model.local(b.loss_weight_BL, 0.0)
         v = to_velocity(out.float(), xt, t, self.spec.prediction)
         loss = flow_loss(v, x0, eps, mask, loss_weight(t, self.spec.loss), normalizer=normalizer)
         return MicroLoss(loss, *model.cost(batch))
