@@ -166,8 +166,10 @@ class Trainer(TrainerOutputs):
                                    self.device, self.micro_batch)
         if hasattr(self.loader, "fault_hook"):       # DIFFTRAIN_FAULTS=unreadable@STEP: a row read as damaged
             self.loader.fault_hook = faults.unreadable_at
-        # a loader that builds steps on the host (the shapes world) builds the next one during the backward pass
-        self.prefetch = getattr(self.loader, "prefetch", None)
+        # A loader that builds steps on the host (the shapes world) builds the next one during the backward pass
+        # where the host is otherwise waiting for an accelerator; on a CPU the backward's threads already use every
+        # core, and building beside them made a demo step 5% slower (bench/demo_step.py), so it is not done there.
+        self.prefetch = getattr(self.loader, "prefetch", None) if self.device.type != "cpu" else None
         self.step = self.samples_seen = self.restarts = 0
         self.train_seconds = self.stall_s = 0.0
         self.budget = TimeBudget(tc.steps, tc.minutes, self._mean_over_ranks)
