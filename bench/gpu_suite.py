@@ -196,6 +196,44 @@ def trainer_run(steps: int, warmup: int, smoke: bool) -> dict:
     return out
 
 
+def demo_prefetch(smoke: bool) -> dict:
+    """The demo's trainer (``shapes-tiny``) on the device, ``fit`` as ``difftrain demo`` runs it: the next step built in
+    a thread during the backward pass (what the trainer does off a CPU: ``demo_built_ahead_by_trainer``) against built
+    when asked. The batches are the same, so the weights after the same steps must agree
+    (``demo_weights_max_abs_diff``); the seconds a step of each, after 10 warm-up steps."""
+    import tempfile
+
+    from difftrain.config import load_config, preset_path
+    from difftrain.train import build_trainer
+
+    steps = 12 if smoke else 150
+    sets = ["train.threads=0", "train.checkpoint_every=0", f"train.steps={steps}", "train.log_every=100000"]
+    out, weights = {}, {}
+    for ahead in (False, True):
+        with tempfile.TemporaryDirectory() as run_dir:
+            tr = build_trainer(load_config(preset_path("shapes-tiny"), sets), run_dir)
+            try:
+                if ahead:
+                    out["demo_built_ahead_by_trainer"] = tr.prefetch is not None
+                tr.prefetch = tr.loader.prefetch if ahead else None
+                marks: dict[int, float] = {}
+
+                def mark(step, total, stats):
+                    if step in (10, total):
+                        sync()
+                        marks[step] = time.perf_counter()
+
+                tr.fit(on_step=mark)
+                name = "built_ahead" if ahead else "built_when_asked"
+                out[f"demo_step_s_{name}"] = round((marks[steps] - marks[10]) / (steps - 10), 4)
+                weights[ahead] = {k: v.detach().float().cpu() for k, v in tr.ema.state_dict().items()}
+            finally:
+                tr.close()
+    out["demo_weights_max_abs_diff"] = max((weights[True][k] - weights[False][k]).abs().max().item()
+                                           for k in weights[False])
+    return out
+
+
 def muon_run(steps: int, smoke: bool) -> dict:
     """``train.optimizer = "muon"`` on the device. The Newton-Schulz iteration runs in bf16 on an accelerator (fp32
     on a CPU): its singular values on a block-sized matrix (FLUX's MLP, 3072 x 12288; 256 x 1024 in smoke) and its
@@ -650,7 +688,7 @@ def main() -> None:
                            ("quant_sample", quant_sample, (args.smoke, 2 if args.smoke else 10)),
                            ("fp8_encoder", fp8_encoder, (args.smoke,)), ("adapter", adapter_runs, (args.smoke,)),
                            ("finetune", finetune_paths, (args.smoke,)), ("muon", muon_run, (args.steps, args.smoke)),
-                           ("dpo", dpo_objective, (args.smoke,))):
+                           ("dpo", dpo_objective, (args.smoke,)), ("demo_prefetch", demo_prefetch, (args.smoke,))):
         if key == "fp8_train" and bf16_run is None:
             out["error_fp8_train"] = "no bf16 run to compare with"
             continue

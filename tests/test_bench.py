@@ -49,6 +49,10 @@ def test_gpu_suite_smoke_runs_and_reports_every_figure(tmp_path):
     # DPO from host batches on the device: log 2 at the start, the replay term, gradients to the policy only
     assert abs(result["dpo_pair_loss_at_start"] - math.log(2)) < 1e-4 and result["dpo_replay_term"] > 0, result
     assert result["dpo_policy_grad"] and result["dpo_reference_grad_free"] and result["dpo_loss_moves"], result
+    # The demo's trainer building the next step during the backward pass: the same weights (on a CPU the trainer
+    # does not build ahead; the check forces it there to run the path)
+    assert result["demo_built_ahead_by_trainer"] is False and result["demo_weights_max_abs_diff"] == 0.0, result
+    assert result["demo_step_s_built_ahead"] > 0 and result["demo_step_s_built_when_asked"] > 0
 
 
 def test_bucket_probe_scores_a_run_at_each_canvas(tiny_cfg, tmp_path):
