@@ -22,7 +22,7 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
 # a saved config without the key and a run with that value are the same run.
 EARLIER_BEHAVIOUR = {"model.positions": "corner", "text.precision": "native", "train.fp8": "none",
                      "validation.source": "", "train.optimizer": "adamw", "train.muon_momentum": 0.95,
-                     "train.muon_ns_steps": 5}
+                     "train.muon_ns_steps": 5, "data.edit_changed_weight": 1.0}
 
 
 def _section_defaults(section: str, cls) -> dict:
