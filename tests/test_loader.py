@@ -165,7 +165,7 @@ def test_a_step_built_ahead_is_the_step_and_the_state_stays_that_of_the_steps_ta
 def test_an_edits_changed_tokens_weigh_what_edit_changed_weight_says():
     """``edit_changed_weight``: an edit's target tokens with any pixel unlike the reference's weigh w in the loss and
     in its count, every other token 1 (a keyframe or t2i batch carries no weights); the objective divides by the sum."""
-    from difftrain.diffusion.flow import FlowSpec, flow_loss
+    from difftrain.diffusion.flow import FlowSpec, flow_loss, per_sample_error
     from difftrain.train.objectives import FlowMatching
 
     ld = ShapesLoader(ShapesWorld(seed=5, size=48, frames=3), PixelUnshuffleAE(8), TOK, 8,
@@ -188,6 +188,9 @@ def test_an_edits_changed_tokens_weigh_what_edit_changed_weight_says():
         err = (v - (eps - b.x0_BLC)).pow(2).mean(-1)
         expect = (err * counted * b.weight_BL).sum() / (counted * b.weight_BL).sum()
         assert torch.allclose(flow_loss(v, b.x0_BLC, eps, b.loss_weight_BL), expect)
+        # per sample (DPO's replay term): each example's weighted mean
+        w = counted * b.weight_BL
+        assert torch.allclose(per_sample_error(v, b.x0_BLC, eps, b.loss_weight_BL), (err * w).sum(1) / w.sum(1))
         assert torch.equal(b.rows(slice(1, 3)).weight_BL, b.weight_BL[1:3]) and b.to("cpu").weight_BL is not None
     assert seen_edit and {"position", "color"} <= kinds
     plain = ShapesLoader(ShapesWorld(seed=5, size=48, frames=3), PixelUnshuffleAE(8), TOK, 8, {"edit": 1.0},

@@ -169,7 +169,7 @@ class DiffusionDPO:
         emb = model.embed_text(b)
         out, _ = model(b, xt, t, emb)
         v = to_velocity(out.float(), xt, t, self.spec.prediction)
-        e = per_sample_error(v, b.x0_BLC, eps, b.counted_BL)
+        e = per_sample_error(v, b.x0_BLC, eps, b.loss_weight_BL)    # a replay edit's changed tokens by their weight
         w = loss_weight(t, self.spec.loss)
         return e if w is None else e * w
 
