@@ -152,3 +152,13 @@ def test_a_source_table_needs_only_its_path():
     assert normalize_spec({"path": "data/my-photos/"}) == {"path": "data/my-photos/", "kind": "folder",
                                                             "name": "my-photos"}
     assert normalize_spec({"path": "x", "kind": "edit", "name": "n"}) == {"path": "x", "kind": "edit", "name": "n"}
+
+
+@pytest.mark.parametrize("value,message", [("0.5", ">= 1"), ("101", "<= 100"), ('"x"', "expected a number")])
+def test_edit_changed_weight_out_of_range_is_refused_naming_the_key(value, message):
+    from difftrain.config import load_config, preset_path
+    from difftrain.errors import UserError
+
+    with pytest.raises(UserError, match=rf"data.edit_changed_weight = .*{message}"):
+        load_config(preset_path("shapes-tiny"), [f"data.edit_changed_weight={value}"])
+    assert load_config(preset_path("shapes-tiny"), ["data.edit_changed_weight=8"]).data.edit_changed_weight == 8.0
