@@ -239,11 +239,12 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
     (root / "dpo.toml").write_text(to_toml(cfg))
     extra = ["--kind", kind] + (["--stop-confidence", str(stop), "--min-raters", "2"] if stop else []) + \
         (["--select-items", str(select)] if select else [])
-    raters = [a for r in RATERS for a in ("--rater", r.format(m=measure))]
+    reads = measure + ("+caption" if args.raters_read == "caption" else "")      # what the raters and gold read
+    raters = [a for r in RATERS for a in ("--rater", r.format(m=reads))]
     t0 = time.perf_counter()
     try:
         cli("align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", str(k),
-            "--raters-per-item", "3", *raters, "--gold-share", "0.15", "--gold-measure", measure, "--gold-rate",
+            "--raters-per-item", "3", *raters, "--gold-share", "0.15", "--gold-measure", reads, "--gold-rate",
             "0.2", "--eval-n", "0", "--seed", str(seed), *extra, cwd=root)
     except CliFailed as e:
         # One round that cannot finish (gold flagged too many of the four raters for R = 3 to be reached) is a
@@ -346,7 +347,8 @@ def efficiency(args, root: Path, base: Path) -> dict:
         for name in args.methods:
             runs[name] = []
             for i, spec in enumerate(METHODS[name]):
-                r = efficiency_run(base, root / f"eff-{measure}" / f"{name}-{i}", measure, spec, seed, before, args)
+                folder = f"eff-{measure}" + ("+caption" if args.raters_read == "caption" else "")
+                r = efficiency_run(base, root / folder / f"{name}-{i}", measure, spec, seed, before, args)
                 print(json.dumps({"preference": measure, "method": name, **r}), flush=True)
                 runs[name].append(r)
         today = runs["today"][0]["judgements"]          # None when today's round failed
@@ -354,7 +356,8 @@ def efficiency(args, root: Path, base: Path) -> dict:
         out["preferences"][measure]["today_judgements"] = today
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     out["settings"] = {"base": str(base), "seed": seed, "n": args.n, "config": args.config,
-                       "overrides": args.overrides, "raters": list(RATERS), "gold": "15% of prompts, rate 0.2",
+                       "overrides": args.overrides, "raters": list(RATERS), "raters_read": args.raters_read,
+                       "gold": "15% of prompts, rate 0.2",
                        "methods": {k: [list(x) for x in v] for k, v in METHODS.items() if k in args.methods}}
     if args.plot:
         plot_efficiency({**out, "preferences": {p: {k: v for k, v in m.items() if k != "today_judgements"}
@@ -381,6 +384,10 @@ def main() -> None:
                     help="--efficiency: the free attributes raters prefer (light, left, high)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
                     help="--efficiency: the ways of asking (today is always run: the others are counted against it)")
+    ap.add_argument("--raters-read", default="pixels", choices=("pixels", "caption"),
+                    help="--efficiency: what the honest and noisy raters (and gold) look at: the preference's "
+                         "measure alone, or the caption first (an image that does not show it ranks last; two "
+                         "such images are 'both bad'), as people do")
     ap.add_argument("--plot", default=None, help="--efficiency: write the curves (answers -> gain) to this PNG")
     args = ap.parse_args()
     if args.efficiency and "today" not in args.methods:

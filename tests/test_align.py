@@ -138,3 +138,37 @@ def test_gold_pairs_the_measure_cannot_tell_apart_are_left_out(tmp_path):
             .splitlines()]
     assert len(gold) >= 15 and all(int(g["prompt_id"][1:]) % 2 == 0 for g in gold)
     assert all(g["order"] == [f"{g['prompt_id']}-1", f"{g['prompt_id']}-0"] for g in gold)   # the lighter first
+
+
+def test_gold_read_with_the_caption_orders_an_unfaithful_image_last_and_asks_no_both_bad_pair(tmp_path):
+    """Gold made by a ``+caption`` measure agrees with the rater who reads the caption: the image that does not
+    show its caption last whatever its shade; a pair where neither does is no gold question."""
+    import dataclasses
+
+    import numpy as np
+    from PIL import Image
+
+    from difftrain.align.loop import _gold_file
+    from difftrain.shapes.world import render, sample_shape
+
+    (tmp_path / "images").mkdir()
+    rows = []
+    for p in range(30):
+        spec = sample_shape(np.random.default_rng(p), (100, 160))
+        other = next(c for c in ("red", "green", "blue", "yellow") if c != spec.color)
+        wrong = dataclasses.replace(spec, color=other, bg=150)     # lighter, but not what was asked
+        right = dataclasses.replace(spec, bg=110)
+        pair = (wrong, right) if p % 2 == 0 else (wrong, dataclasses.replace(wrong, bg=110))
+        for j, s in enumerate(pair):
+            Image.fromarray(render(s, 48)).save(tmp_path / "images" / f"{p}-{j}.png")
+            rows.append({"id": f"p{p:03d}-{j}", "prompt_id": f"p{p:03d}", "prompt": spec.caption(), "task": "t2i",
+                         "image": f"images/{p}-{j}.png"})
+    (tmp_path / "candidates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by_pixels = [json.loads(x) for x in _gold_file(tmp_path, "light", 0.99, 0, tmp_path / "a.jsonl").read_text()
+                 .splitlines()]
+    by_caption = [json.loads(x) for x in _gold_file(tmp_path, "light+caption", 0.99, 0, tmp_path / "b.jsonl")
+                  .read_text().splitlines()]
+    assert len(by_pixels) >= 25 and any(int(g["prompt_id"][1:]) % 2 for g in by_pixels)
+    assert all(g["order"][0].endswith("-0") for g in by_pixels)                      # the lighter, wrong or not
+    assert len(by_caption) >= 12 and all(int(g["prompt_id"][1:]) % 2 == 0 for g in by_caption)
+    assert all(g["order"] == [f"{g['prompt_id']}-1", f"{g['prompt_id']}-0"] for g in by_caption)

@@ -75,3 +75,41 @@ def test_rater_specs_name_a_known_policy():
     for bad in ("auto:x:dark", "ann", "auto::light", "auto:x:noisy-dark"):
         with pytest.raises(UserError, match="--rater"):
             parse_rater(bad)
+
+
+def test_a_rater_reading_the_caption_puts_an_image_that_does_not_show_it_last():
+    """``+caption``: the caption first, as a person reads it. An image of another colour, shape or place than its
+    caption asks ranks below every faithful one (the measure still orders the unfaithful among themselves); a pair
+    where neither shows the caption is "both bad"; without the suffix the caption is not read."""
+    import dataclasses
+
+    from difftrain.align.raters import base_measure, read, unfaithful
+
+    spec = sample_shape(np.random.default_rng(5), (100, 160))
+    lim = max_jitter(spec.size)
+    high_img = render(dataclasses.replace(spec, dy=-lim), 48)
+    low_img = render(dataclasses.replace(spec, dy=lim), 48)
+    other = next(c for c in ("red", "green", "blue", "yellow") if c != spec.color)
+    wrong_high = render(dataclasses.replace(spec, color=other, dy=-lim), 48)
+    wrong_low = render(dataclasses.replace(spec, color=other, dy=lim), 48)
+    cap = spec.caption()
+    assert read("high", wrong_high, cap) == MEASURES["high"](wrong_high)          # pixels only: caption unread
+    faithful = {"a": read("high+caption", high_img, cap), "b": read("high+caption", low_img, cap)}
+    assert faithful == {"a": MEASURES["high"](high_img), "b": MEASURES["high"](low_img)}
+    scores = {**faithful, "c": read("high+caption", wrong_high, cap), "d": read("high+caption", wrong_low, cap)}
+    assert unfaithful(scores["c"]) and unfaithful(scores["d"]) and not unfaithful(scores["b"])
+    rng = random.Random(0)
+    assert decide(scores, "high+caption", rng, "honest") == (["a", "b", "c", "d"], "ranked")
+    assert decide({"c": scores["c"], "d": scores["d"]}, "high+caption", rng, "honest") == ([], "both_bad")
+    assert decide({"a": scores["a"], "c": scores["c"]}, "high+caption", rng, "honest") == (["a", "c"], "ranked")
+    # not a text-to-image caption (an edit instruction), or one the world cannot parse: nothing to check
+    assert read("high+caption", wrong_high, "make it bigger", task="edit") == MEASURES["high"](wrong_high)
+    assert read("high+caption", wrong_high, "a purple dog") == MEASURES["high"](wrong_high)
+    assert parse_rater("auto:ann:noisy-high+caption") == ("ann", "noisy-high+caption")
+    assert split_policy("noisy-left+caption") == ("noisy", "left+caption")
+    assert base_measure("light+caption") == "light"
+    for bad in ("auto:x:high+cap", "auto:x:+caption"):
+        with pytest.raises(UserError, match="--rater"):
+            parse_rater(bad)
+    with pytest.raises(UserError, match="'dark\\+caption'"):
+        base_measure("dark+caption")

@@ -43,6 +43,8 @@ def add_parsers(sub, add_set) -> None:
     p.add_argument("--image-size", type=int, default=0,
                    help="with --pickapic: centre-crop and resize images to this size (0 = as they are)")
 
+    from difftrain.align.raters import READS
+
     p = sub.add_parser("align", help="preference rounds: candidates -> the rating app -> pairs -> DPO -> eval, "
                                      "each round resumable at any stage",
                        description="Preference rounds (see docs/rating.md): candidates from the round's checkpoint, "
@@ -56,12 +58,12 @@ def add_parsers(sub, add_set) -> None:
     p.add_argument("--raters-per-item", type=int, default=3, help="R: distinct raters an item")
     p.add_argument("--rater", action="append", default=[], metavar="auto:NAME[:POLICY]",
                    help="a scripted rater answering through the app's HTTP API (policy light, left, high, "
-                        "noisy-MEASURE, noisy or random)")
+                        "each optionally +caption; noisy-MEASURE, noisy or random)")
     p.add_argument("--app", default=None, help="the app's URL (default: one started here for the rating stage)")
     p.add_argument("--gold", default=None, help="gold answers (JSONL of prompt_id and order)")
     p.add_argument("--gold-share", type=float, default=0.0, help="share of prompts made gold by --gold-measure")
-    p.add_argument("--gold-measure", default="light", choices=("light", "left", "high"),
-                   help="the measure that orders gold candidates")
+    p.add_argument("--gold-measure", default="light", choices=READS,
+                   help="the measure that orders gold candidates (+caption: the caption read first)")
     p.add_argument("--gold-rate", type=float, default=0.0, help="share of a rater's items that are gold")
     p.add_argument("--eval-n", type=int, default=64, help="evaluation prompts a task before and after (0: none)")
     p.add_argument("--wait", type=float, default=7 * 24 * 3600, help="seconds to wait for the ratings")

@@ -101,8 +101,9 @@ class LocalApp:
 
 
 def _gold_file(cands: Path, measure: str, share: float, seed: int, out: Path) -> Path | None:
-    """Gold orders for a share of the prompts, from a measure of the candidates' pixels (pairs closer than the
-    measure's just-noticeable difference left out)."""
+    """Gold orders for a share of the prompts, from what a rater reading ``measure`` makes of the candidates' pixels
+    (``raters.read``: with ``+caption`` the caption first); pairs an honest rater would call a tie or "both bad"
+    left out."""
     if not share:
         return None
     import hashlib
@@ -110,10 +111,9 @@ def _gold_file(cands: Path, measure: str, share: float, seed: int, out: Path) ->
     import numpy as np
     from PIL import Image
 
-    from difftrain.align.raters import MEASURES
+    from difftrain.align.raters import JND, base_measure, read, unfaithful
 
-    if measure not in MEASURES:
-        raise UserError(f"--gold-measure {measure!r}: expected one of {sorted(MEASURES)}")
+    base = base_measure(measure)
     rows = [json.loads(x) for x in (cands / "candidates.jsonl").read_text().splitlines() if x.strip()]
     by: dict[str, list] = {}
     for r in rows:
@@ -121,14 +121,14 @@ def _gold_file(cands: Path, measure: str, share: float, seed: int, out: Path) ->
         pick = int.from_bytes(hashlib.sha256(f"gold:{seed}:{r['prompt_id']}".encode()).digest()[:8], "big") / 2**64
         if pick < share:
             with Image.open(cands / r["image"]) as im:
-                by.setdefault(r["prompt_id"], []).append((MEASURES[measure](np.asarray(im.convert("RGB"))), r["id"]))
-    from difftrain.align.raters import JND
+                value = read(measure, np.asarray(im.convert("RGB")), r.get("prompt"), r.get("task", "t2i"))
+            by.setdefault(r["prompt_id"], []).append((value, r["id"]))
 
     with out.open("w") as f:
         for pid, xs in sorted(by.items()):
-            # a pair the measure cannot tell apart is no gold question: an honest rater calls it a tie, and would be
-            # flagged for it (a ranking asks for a full order and keeps its gold)
-            if len(xs) == 2 and abs(xs[0][0] - xs[1][0]) < JND[measure]:
+            # a pair the measure cannot tell apart is no gold question: an honest rater calls it a tie (or both bad),
+            # and would be flagged for it (a ranking asks for a full order and keeps its gold)
+            if len(xs) == 2 and (abs(xs[0][0] - xs[1][0]) < JND[base] or all(unfaithful(v) for v, _ in xs)):
                 continue
             f.write(json.dumps({"prompt_id": pid, "order": [c for _, c in sorted(xs, key=lambda x: -x[0])]}) + "\n")
     return out

@@ -5,8 +5,12 @@ A **measure** reads, from pixels alone, an attribute the shapes world's captions
   image's border);
 - ``left`` / ``high``: how far left / up the shape sits inside its cell (``shapes.evaluate.jitter``, as a share of
   the largest offset the world draws for its size; an image without a readable shape measures lowest).
+A measure suffixed ``+caption`` (``light+caption``, ...) also reads the caption, as a person does before anything
+else: an image that does not show what its text-to-image caption asks (``shapes.evaluate.score_t2i``: colour,
+position, shape and size) ranks below every image that does, and among such images the measure still orders; on a
+pairwise item where neither image shows it the answer is "both bad". Without the suffix the caption is not read.
 A **policy** orders an item's candidates by one (the images fetched from the app, as a browser would):
-- ``MEASURE`` (``light``, ``left``, ``high``): an honest rater, the highest first; on a pairwise item two
+- ``MEASURE`` (``light``, ``left``, ``high``, each optionally ``+caption``): an honest rater, the highest first; on a pairwise item two
   candidates closer than the measure's just-noticeable difference (``JND``) are answered as a tie;
 - ``noisy-MEASURE``: the same, but one answer in five a random order (an honest, careless person); ``noisy`` is
   ``noisy-light``;
@@ -26,6 +30,8 @@ import numpy as np
 from difftrain.errors import UserError
 
 NOT_READ = -1e9          # the measure of an image whose shape cannot be read: below every real one
+UNFAITHFUL = -1e6        # added to the measure of an image that does not show its caption (+caption measures)
+CAPTION = "+caption"
 
 
 def light(image_rgb: np.ndarray) -> float:
@@ -53,7 +59,36 @@ MEASURES = {"light": light, "left": left, "high": high}
 # Differences a person does not see: 3 grey levels of a background; 15% of the jitter range (about half a pixel
 # for a small shape at 48 px).
 JND = {"light": 3.0, "left": 0.15, "high": 0.15}
-POLICIES = (*MEASURES, *(f"noisy-{m}" for m in MEASURES), "noisy", "random")
+READS = (*MEASURES, *(m + CAPTION for m in MEASURES))       # what a rater or gold may read
+POLICIES = (*READS, *(f"noisy-{m}" for m in READS), "noisy", "random")
+
+
+def base_measure(name: str) -> str:
+    """``high+caption`` -> ``high``; an unknown name is a UserError naming it."""
+    base = name[:-len(CAPTION)] if name.endswith(CAPTION) else name
+    if base not in MEASURES:
+        raise UserError(f"measure {name!r}: expected one of {READS}")
+    return base
+
+
+def read(name: str, image_rgb: np.ndarray, caption: str | None = None, task: str = "t2i") -> float:
+    """What a rater (or gold) reading ``name`` makes of an image: its measure, lowered below every faithful image
+    when the name reads the caption and the image does not show it (text-to-image captions only)."""
+    from difftrain.shapes.evaluate import score_t2i
+
+    value = MEASURES[base_measure(name)](image_rgb)
+    if name.endswith(CAPTION) and caption and task == "t2i" and value > NOT_READ:
+        try:
+            ok = score_t2i(image_rgb, caption)["ok"]
+        except (UserError, ValueError, KeyError):
+            ok = True                    # a caption the world cannot parse asks for nothing the rater can check
+        if not ok:
+            value += UNFAITHFUL
+    return value
+
+
+def unfaithful(value: float) -> bool:
+    return value < UNFAITHFUL / 2
 
 
 def preferred(measure: str, value: float, background: tuple[int, int] = (100, 160)) -> bool:
@@ -94,7 +129,9 @@ def decide(scores: dict[str, float], measure: str, rng: random.Random, kind: str
     handles = list(scores)
     if kind == "random" or (kind == "noisy" and rng.random() < 0.2):
         return rng.sample(handles, len(handles)), "ranked"
-    if len(handles) == 2 and abs(scores[handles[0]] - scores[handles[1]]) < JND[measure]:
+    if len(handles) == 2 and all(unfaithful(scores[h]) for h in handles):
+        return [], "both_bad"
+    if len(handles) == 2 and abs(scores[handles[0]] - scores[handles[1]]) < JND[base_measure(measure)]:
         return [], "tie"
     return sorted(handles, key=lambda h: -scores[h]), "ranked"
 
@@ -122,7 +159,8 @@ def answer_all(url: str, token: str, policy: str, seed: int, stop: threading.Eve
             if kind == "random":
                 scores = dict.fromkeys(handles, 0.0)
             else:
-                scores = {c["handle"]: MEASURES[measure](_decode(client.image(c["frames"][0])))
+                scores = {c["handle"]: read(measure, _decode(client.image(c["frames"][0])), item.get("prompt"),
+                                            item.get("task", "t2i"))
                           for c in item["candidates"]}
             order, outcome = decide(scores, measure or "light", rng, kind)
             client.answer(item, order, outcome, key=f"{seed}-{item['assignment']}")
