@@ -222,7 +222,7 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
     sets = more[0] if more else []
     prompts, select = max(2, round(share * args.prompts)), round(chosen * args.prompts)
     label = f"{prompts} prompts, K = {k}, {kind}" + (f", stop at {stop}" if stop else "") + \
-        (f", {select} pairs chosen" if select else "") + "".join(f", {x}" for x in sets)
+        (f", {select} pairs chosen ({args.select_rule})" if select else "") + "".join(f", {x}" for x in sets)
     done, failed = root / "result.json", root / "failed.json"
     if done.is_file():                    # a rerun of the bench with --dir keeps finished runs
         return json.loads(done.read_text())
@@ -238,7 +238,7 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
     cfg = load_config(preset_path(args.config), [f"run.seed={seed}", f'dpo.init="{base}"', *args.overrides, *sets])
     (root / "dpo.toml").write_text(to_toml(cfg))
     extra = ["--kind", kind] + (["--stop-confidence", str(stop), "--min-raters", "2"] if stop else []) + \
-        (["--select-items", str(select)] if select else [])
+        (["--select-items", str(select), "--select-rule", args.select_rule] if select else [])
     reads = measure + ("+caption" if args.raters_read == "caption" else "")      # what the raters and gold read
     raters = [a for r in RATERS for a in ("--rater", r.format(m=reads))]
     t0 = time.perf_counter()
@@ -357,6 +357,7 @@ def efficiency(args, root: Path, base: Path) -> dict:
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     out["settings"] = {"base": str(base), "seed": seed, "n": args.n, "config": args.config,
                        "overrides": args.overrides, "raters": list(RATERS), "raters_read": args.raters_read,
+                       "select_rule": args.select_rule,
                        "gold": "15% of prompts, rate 0.2",
                        "methods": {k: [list(x) for x in v] for k, v in METHODS.items() if k in args.methods}}
     if args.plot:
@@ -384,6 +385,9 @@ def main() -> None:
                     help="--efficiency: the free attributes raters prefer (light, left, high)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
                     help="--efficiency: the ways of asking (today is always run: the others are counted against it)")
+    ap.add_argument("--select-rule", default="balanced", choices=("balanced", "spread", "random"),
+                    help="--efficiency: how active_pairs chooses its pairs ('difftrain select --rule'); a --dir "
+                         "keeps finished runs, so give each rule a --dir of its own")
     ap.add_argument("--raters-read", default="pixels", choices=("pixels", "caption"),
                     help="--efficiency: what the honest and noisy raters (and gold) look at: the preference's "
                          "measure alone, or the caption first (an image that does not show it ranks last; two "

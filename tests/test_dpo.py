@@ -197,8 +197,8 @@ def test_select_asks_one_pair_a_prompt_the_pairs_farthest_apart(world, tmp_path)
                       for x, y in combinations(cs, 2))
         best[pid] = (d, {a, b})
     top = sorted(best, key=lambda p: -best[p][0])[:5]
-    out = json.loads(_cli(["select", "cands", "--items", "5", "--out", str(tmp_path / "sel")], world)
-                     .stdout.splitlines()[-1])
+    out = json.loads(_cli(["select", "cands", "--items", "5", "--rule", "spread", "--out", str(tmp_path / "sel")],
+                          world).stdout.splitlines()[-1])
     assert out == {"out": str(tmp_path / "sel"), "rule": "spread", "items": 5, "prompts": 8, "candidates": 10}
     got = [json.loads(x) for x in (tmp_path / "sel" / "candidates.jsonl").read_text().splitlines()]
     chosen: dict[str, set] = {}
@@ -245,6 +245,51 @@ def test_select_asks_one_pair_a_prompt_the_pairs_farthest_apart(world, tmp_path)
     (evil / "manifest.json").write_text("{not json")
     bad = _cli(["select", str(evil), "--items", "1", "--out", str(tmp_path / "x")], world, check=False)
     assert bad.returncode == 2 and "manifest.json: not JSON" in bad.stderr
+
+
+def test_select_balanced_weighs_tone_and_layout_each_on_its_own_scale(world, tmp_path):
+    """The default rule, ``balanced``: a pair's latent difference split into its global part (each channel's mean
+    over the image) and the rest, each divided by its mean over every pair of the round, summed; each prompt's best
+    pair, the best prompts first. Computed here from the pixels (the tiny model's autoencoder is a pixel
+    unshuffle by ``autoencoder.factor``), against what ``difftrain select`` chose."""
+    from itertools import combinations
+
+    f = load_config(str(world / "base.toml"), []).autoencoder.factor
+    rows = [json.loads(x) for x in (world / "cands" / "candidates.jsonl").read_text().splitlines()]
+
+    def latent(r):
+        out = []
+        for name in r["frames"] or [r["image"]]:
+            a = np.asarray(Image.open(world / "cands" / name).convert("RGB"), np.float64).transpose(2, 0, 1) / 127.5
+            c, h, w = a.shape
+            out.append(a.reshape(c, h // f, f, w // f, f).transpose(0, 2, 4, 1, 3).reshape(c * f * f, h // f, w // f))
+        return np.stack(out)
+
+    lat = {r["id"]: latent(r) for r in rows}
+    by: dict[str, list] = {}
+    for r in rows:
+        by.setdefault(r["prompt_id"], []).append(r["id"])
+    parts = []
+    for pid, ids in by.items():
+        for a, b in combinations(ids, 2):
+            da, db = lat[a].mean(axis=(2, 3)), lat[b].mean(axis=(2, 3))
+            spatial = (lat[a] - da[..., None, None]) - (lat[b] - db[..., None, None])
+            parts.append((pid, {a, b}, np.sqrt(np.mean((da - db) ** 2)), np.sqrt(np.mean(spatial ** 2))))
+    mg, ms = np.mean([p[2] for p in parts]), np.mean([p[3] for p in parts])
+    best: dict[str, tuple] = {}
+    for pid, pair, g, sp in parts:
+        if pid not in best or g / mg + sp / ms > best[pid][0]:
+            best[pid] = (g / mg + sp / ms, pair)
+    top = sorted(best, key=lambda p: -best[p][0])[:3]
+    out = json.loads(_cli(["select", "cands", "--items", "3", "--out", str(tmp_path / "bal")], world)
+                     .stdout.splitlines()[-1])
+    assert out["rule"] == "balanced" and out["items"] == 3
+    got: dict[str, set] = {}
+    for r in (json.loads(x) for x in (tmp_path / "bal" / "candidates.jsonl").read_text().splitlines()):
+        got.setdefault(r["prompt_id"], set()).add(r["id"])
+    assert got == {p: best[p][1] for p in top}
+    spread = json.loads((tmp_path / "bal" / "manifest.json").read_text())["selected"]["spread"]
+    assert spread == pytest.approx([best[p][0] for p in top], rel=1e-3)
 
 
 def _dpo_cfg(world: Path, name: str, *extra: str) -> str:

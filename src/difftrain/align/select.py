@@ -1,9 +1,16 @@
 """Pairs chosen by the model (``difftrain select``): instead of every pair of every prompt's K candidates, a budget
 of pairwise items, one pair a prompt, the pairs the model tells apart most.
 
-The rule (``spread``): each candidate is encoded by the checkpoint's autoencoder (the latents DPO trains on);
-for each prompt the pair of its K candidates farthest apart in that latent space (root mean square difference) is
-its pair, and the ``items`` prompts whose pairs are farthest apart are asked. A pair the model's latents hardly
+The rules. Each candidate is encoded by the checkpoint's autoencoder (the latents DPO trains on).
+- ``spread``: for each prompt the pair of its K candidates farthest apart in that latent space (root mean square
+  difference) is its pair, and the ``items`` prompts whose pairs are farthest apart are asked.
+- ``balanced`` (the default): a difference in latent space has two parts, a global one (each channel's mean over
+  the image: tone, a colour cast, the background's shade) and a spatial one (what is left: layout, where and what
+  the objects are). The global part moves every position at once, so a root mean square over the latent lets it
+  drown the spatial part: pairs chosen by ``spread`` differ in tone and hardly in layout (on the shapes world,
+  their backgrounds differ 2.4 times as much as a random pair's, their shapes' places less). ``balanced`` puts
+  each part on its own scale, the mean of that part over every pair of the round, and scores a pair by the sum
+  of the two: what is asked differs in either kind, whichever the raters turn out to care about. A pair the model's latents hardly
 tell apart carries almost no DPO signal (the two flow errors nearly cancel) and is the pair raters call a tie or
 answer at random; a pair far apart is the one an answer teaches most. In a first round the policy *is* its
 reference, so a margin of implicit rewards is zero for every pair and cannot choose: the spread is what the model
@@ -26,7 +33,7 @@ import numpy as np
 
 from difftrain.errors import UserError
 
-RULES = ("spread", "random")
+RULES = ("balanced", "spread", "random")
 
 
 def _latents(cands_dir: Path, rows: list[dict], checkpoint: str) -> dict[str, np.ndarray]:
@@ -52,8 +59,31 @@ def _latents(cands_dir: Path, rows: list[dict], checkpoint: str) -> dict[str, np
                 xs.append(torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 127.5 - 1)
                           .permute(2, 0, 1))
         with torch.no_grad():
-            out[r["id"]] = ae.encode(torch.stack(xs)).float().numpy().ravel()
+            out[r["id"]] = ae.encode(torch.stack(xs)).float().numpy()      # (frames, channels, h, w)
     return out
+
+
+def _rms(a: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(a ** 2)))
+
+
+def _balanced(lat: dict[str, np.ndarray], by: dict[str, list[dict]]) -> list[tuple[float, str, str, str]]:
+    """Each prompt's best pair by the balanced score, as (score, prompt_id, id, id)."""
+    glob = {k: v.mean(axis=(-2, -1), keepdims=True) for k, v in lat.items()}
+    parts = []
+    for pid, cs in sorted(by.items()):
+        for x, y in combinations(cs, 2):
+            a, b = x["id"], y["id"]
+            parts.append((pid, a, b, _rms(glob[a] - glob[b]),
+                          _rms((lat[a] - glob[a]) - (lat[b] - glob[b]))))
+    scale_g = float(np.mean([p[3] for p in parts])) or 1.0       # a round where no pair differs in tone: unscaled
+    scale_s = float(np.mean([p[4] for p in parts])) or 1.0
+    best: dict[str, tuple[float, str, str, str]] = {}
+    for pid, a, b, g, sp in parts:
+        pair = (g / scale_g + sp / scale_s, pid, a, b)
+        if pid not in best or pair > best[pid]:
+            best[pid] = pair
+    return list(best.values())
 
 
 def _inside(cands_dir: Path, root: Path, row: dict, key: str, name) -> Path:
@@ -65,7 +95,7 @@ def _inside(cands_dir: Path, root: Path, row: dict, key: str, name) -> Path:
     return p
 
 
-def select_pairs(candidates: str | Path, out: str | Path, items: int, rule: str = "spread",
+def select_pairs(candidates: str | Path, out: str | Path, items: int, rule: str = "balanced",
                  seed: int = 0) -> dict:
     """Write the chosen pairs as a candidates folder at ``out``; returns what was chosen."""
     from difftrain.align.candidates import read_candidates
@@ -95,14 +125,18 @@ def select_pairs(candidates: str | Path, out: str | Path, items: int, rule: str 
             _inside(cdir, root, r, "source", r["source"])
     rng = np.random.default_rng(seed)
     chosen: list[tuple[float, str, dict, dict]] = []
-    if rule == "spread":
+    if rule in ("spread", "balanced"):
         lat = _latents(cdir, rows, manifest.get("checkpoint", ""))
         for pid, cs in sorted(by.items()):
             if len({lat[c["id"]].shape for c in cs}) > 1:
                 raise UserError(f"{cdir}/candidates.jsonl: prompt {pid!r}: its candidates differ in size or frames")
-            d, a, b = max((float(np.sqrt(np.mean((lat[x["id"]] - lat[y["id"]]) ** 2))), x["id"], y["id"])
-                          for x, y in combinations(cs, 2))
-            ids = {c["id"]: c for c in cs}
+        if rule == "spread":
+            best = [max((_rms(lat[x["id"]] - lat[y["id"]]), pid, x["id"], y["id"]) for x, y in combinations(cs, 2))
+                    for pid, cs in sorted(by.items())]
+        else:
+            best = _balanced(lat, by)
+        for d, pid, a, b in best:
+            ids = {c["id"]: c for c in by[pid]}
             chosen.append((d, pid, ids[a], ids[b]))
         chosen.sort(key=lambda c: (-c[0], c[1]))
     else:
@@ -138,7 +172,7 @@ def select_pairs(candidates: str | Path, out: str | Path, items: int, rule: str 
         meta = {**manifest, "k": 2, "selected": {"from": str(root), "rule": rule, "items": len(chosen),
                                                  "prompts": len(by), "seed": seed,
                                                  "spread": ([round(c[0], 5) for c in chosen]
-                                                            if rule == "spread" else None)}}
+                                                            if rule != "random" else None)}}
         (tmp / "candidates.jsonl").write_text("".join(x + "\n" for x in lines))
         (tmp / "manifest.json").write_text(json.dumps(meta, indent=1))
         if odir.exists():
