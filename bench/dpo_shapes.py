@@ -385,7 +385,7 @@ def main() -> None:
                     help="--efficiency: the free attributes raters prefer (light, left, high)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
                     help="--efficiency: the ways of asking (today is always run: the others are counted against it)")
-    ap.add_argument("--select-rule", default="balanced", choices=("balanced", "spread", "random"),
+    ap.add_argument("--select-rule", default="spread", choices=("spread", "balanced", "random"),
                     help="--efficiency: how active_pairs chooses its pairs ('difftrain select --rule'); a --dir "
                          "keeps finished runs, so give each rule a --dir of its own")
     ap.add_argument("--raters-read", default="pixels", choices=("pixels", "caption"),

@@ -248,7 +248,7 @@ def test_select_asks_one_pair_a_prompt_the_pairs_farthest_apart(world, tmp_path)
 
 
 def test_select_balanced_weighs_tone_and_layout_each_on_its_own_scale(world, tmp_path):
-    """The default rule, ``balanced``: a pair's latent difference split into its global part (each channel's mean
+    """The rule ``balanced``: a pair's latent difference split into its global part (each channel's mean
     over the image) and the rest, each divided by its mean over every pair of the round, summed; each prompt's best
     pair, the best prompts first. Computed here from the pixels (the tiny model's autoencoder is a pixel
     unshuffle by ``autoencoder.factor``), against what ``difftrain select`` chose."""
@@ -281,8 +281,8 @@ def test_select_balanced_weighs_tone_and_layout_each_on_its_own_scale(world, tmp
         if pid not in best or g / mg + sp / ms > best[pid][0]:
             best[pid] = (g / mg + sp / ms, pair)
     top = sorted(best, key=lambda p: -best[p][0])[:3]
-    out = json.loads(_cli(["select", "cands", "--items", "3", "--out", str(tmp_path / "bal")], world)
-                     .stdout.splitlines()[-1])
+    out = json.loads(_cli(["select", "cands", "--items", "3", "--rule", "balanced", "--out", str(tmp_path / "bal")],
+                          world).stdout.splitlines()[-1])
     assert out["rule"] == "balanced" and out["items"] == 3
     got: dict[str, set] = {}
     for r in (json.loads(x) for x in (tmp_path / "bal" / "candidates.jsonl").read_text().splitlines()):

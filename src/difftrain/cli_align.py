@@ -80,9 +80,9 @@ def add_parsers(sub, add_set) -> None:
     p.add_argument("--select-items", type=int, default=0,
                    help="ask about this many pairs chosen by the model ('difftrain select'), one a prompt, "
                         "instead of every pair (with --kind pairwise)")
-    p.add_argument("--select-rule", default="balanced", choices=("balanced", "spread", "random"),
-                   help="how the pairs are chosen (default balanced: the pairs farthest apart in the model's latents, "
-                        "tone and layout each on its own scale; spread: by the latents' root mean square)")
+    p.add_argument("--select-rule", default="spread", choices=("spread", "balanced", "random"),
+                   help="how the pairs are chosen (default spread: the pairs farthest apart in the model's latents; "
+                        "balanced: tone and layout each on its own scale)")
     add_set(p)
 
     p = sub.add_parser("select", help="choose the pairs to ask raters about from a candidates folder",
@@ -92,7 +92,7 @@ def add_parsers(sub, add_set) -> None:
     p.add_argument("candidates", help="the candidates folder ('difftrain candidates')")
     p.add_argument("--items", type=int, required=True, help="pairs to ask about (at most one a prompt)")
     p.add_argument("--out", required=True, help="the folder to write (new or empty)")
-    p.add_argument("--rule", default="balanced", choices=("balanced", "spread", "random"))
+    p.add_argument("--rule", default="spread", choices=("spread", "balanced", "random"))
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("rate", add_help=False,

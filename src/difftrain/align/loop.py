@@ -220,7 +220,7 @@ def run_rounds(cfg_path: str, prompts: str, db_url: str, out: str, rounds: int =
                eval_n: int = 64, wait: float = 7 * 24 * 3600, overrides: list[str] | None = None,
                seed: int = 0, until: str | None = None, kind: str = "ranking", min_raters: int | None = None,
                stop_confidence: float | None = None, select_items: int = 0,
-               select_rule: str = "balanced") -> list[dict]:
+               select_rule: str = "spread") -> list[dict]:
     from difftrain_rate.batches import import_batch
     from difftrain_rate.cli import _db
     from difftrain_rate.errors import RateError

@@ -2,15 +2,16 @@
 of pairwise items, one pair a prompt, the pairs the model tells apart most.
 
 The rules. Each candidate is encoded by the checkpoint's autoencoder (the latents DPO trains on).
-- ``spread``: for each prompt the pair of its K candidates farthest apart in that latent space (root mean square
+- ``spread`` (the default): for each prompt the pair of its K candidates farthest apart in that latent space (root mean square
   difference) is its pair, and the ``items`` prompts whose pairs are farthest apart are asked.
-- ``balanced`` (the default): a difference in latent space has two parts, a global one (each channel's mean over
+- ``balanced``: a difference in latent space has two parts, a global one (each channel's mean over
   the image: tone, a colour cast, the background's shade) and a spatial one (what is left: layout, where and what
   the objects are). The global part moves every position at once, so a root mean square over the latent lets it
   drown the spatial part: pairs chosen by ``spread`` differ in tone and hardly in layout (on the shapes world,
   their backgrounds differ 2.4 times as much as a random pair's, their shapes' places less). ``balanced`` puts
   each part on its own scale, the mean of that part over every pair of the round, and scores a pair by the sum
-  of the two: what is asked differs in either kind, whichever the raters turn out to care about. A pair the model's latents hardly
+  of the two: what is asked differs in either kind, whichever the raters turn out to care about. Measured through
+  DPO (docs/dpo.md), it did not buy more gain than ``spread``, so it is not the default. A pair the model's latents hardly
 tell apart carries almost no DPO signal (the two flow errors nearly cancel) and is the pair raters call a tie or
 answer at random; a pair far apart is the one an answer teaches most. In a first round the policy *is* its
 reference, so a margin of implicit rewards is zero for every pair and cannot choose: the spread is what the model
@@ -33,7 +34,7 @@ import numpy as np
 
 from difftrain.errors import UserError
 
-RULES = ("balanced", "spread", "random")
+RULES = ("spread", "balanced", "random")
 
 
 def _latents(cands_dir: Path, rows: list[dict], checkpoint: str) -> dict[str, np.ndarray]:
@@ -95,7 +96,7 @@ def _inside(cands_dir: Path, root: Path, row: dict, key: str, name) -> Path:
     return p
 
 
-def select_pairs(candidates: str | Path, out: str | Path, items: int, rule: str = "balanced",
+def select_pairs(candidates: str | Path, out: str | Path, items: int, rule: str = "spread",
                  seed: int = 0) -> dict:
     """Write the chosen pairs as a candidates folder at ``out``; returns what was chosen."""
     from difftrain.align.candidates import read_candidates
