@@ -10,8 +10,9 @@ else: an image that does not show what its text-to-image caption asks (``shapes.
 position, shape and size) ranks below every image that does, and among such images the measure still orders; on a
 pairwise item where neither image shows it the answer is "both bad". Without the suffix the caption is not read.
 A **policy** orders an item's candidates by one (the images fetched from the app, as a browser would):
-- ``MEASURE`` (``light``, ``left``, ``high``, each optionally ``+caption``): an honest rater, the highest first; on a pairwise item two
-  candidates closer than the measure's just-noticeable difference (``JND``) are answered as a tie;
+- ``MEASURE`` (``light``, ``left``, ``high``, each optionally ``+caption``): an honest rater, the highest first;
+  on a pairwise item two candidates closer than the measure's just-noticeable difference (``JND``) are answered as
+  a tie;
 - ``noisy-MEASURE``: the same, but one answer in five a random order (an honest, careless person); ``noisy`` is
   ``noisy-light``;
 - ``random``: a random order every time (a spammer; gold items give them away).
