@@ -95,8 +95,9 @@ def reference(store: str, steps: int) -> list[list[int]]:
 def _rank(rank: int, store: str, cache: str, gb: float, lookahead: int, cold: int, warm: int, barrier, out) -> None:
     """One rank of the node: ``cold`` steps, then (after every rank got there and its lookahead is installed)
     ``warm`` steps; reports its ids, its read counters before and after the warm steps, and what it copied.
-    Each fragment copy pauses 50 ms halfway, so that ranks meet each other's copies in progress."""
-    os.environ["DIFFTRAIN_CACHE_STALL_S"] = "0.05"
+    Each fragment copy pauses 250 ms halfway, so that ranks meet each other's copies in progress (50 ms was not
+    always enough on two loaded cores: the four spawned ranks' start-up spread can exceed it)."""
+    os.environ["DIFFTRAIN_CACHE_STALL_S"] = "0.25"
     barrier.wait(120)                        # start together, as the ranks of a job do
     loader = StoreLoader(make_cfg(store, cache_dir=cache, cache_gb=gb, cache_lookahead=lookahead), tokenize,
                          rank, WORLD)
