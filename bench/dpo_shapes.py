@@ -142,7 +142,7 @@ def app_round(base: Path, root: Path, seed: int, args) -> dict:
     base_cfg = from_dict(info["config"], "base")
     world = world_from_config(base_cfg.data, 9000 + seed)
     (root / "prompts.txt").write_text("".join(world.prompt("t2i", i) + "\n" for i in range(args.prompts)))
-    cfg = load_config(preset_path(args.config), [f"run.seed={seed}", f'dpo.init="{base}"', *args.overrides])
+    cfg = load_config(preset_path(args.config), [f"run.seed={seed}", f'dpo.init="{base}"', *args.overrides, *sets])
     (root / "dpo.toml").write_text(to_toml(cfg))
     t0 = time.perf_counter()
     cli("align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", str(args.k),
@@ -203,11 +203,14 @@ def one_round(base: Path, root: Path, seed: int, args) -> dict:
 # --efficiency: what each way of asking costs in human answers and what it buys (issue: fewer answers, more gain)
 RATERS = ("auto:direct:{m}", "auto:noisy1:noisy-{m}", "auto:noisy2:noisy-{m}", "auto:spammer:random")
 METHODS = {
-    # name: [(share of --prompts, k, kind, stop_confidence, pairs chosen as a share of --prompts[, DPO settings]),
-    # ...]: the runs behind a method's curve
+    # name: [(share of --prompts, k, kind, stop_confidence, pairs chosen as a share of --prompts[, rounds[, DPO
+    # settings]]), ...]: the runs behind a method's curve; a run of several rounds asks the same way each round, each
+    # round from the model the one before trained, and spends the answers of all of them
     "today": [(1.0, 4, "ranking", None, 0.0)],                       # K = 4 ranked by R = 3, every pair derived
     "adaptive": [(1.0, 4, "ranking", 0.9, 0.0)],                     # stop at M = 2 once clear, R = 3 the most
-    "active_pairs": [(1.0, 4, "pairwise", 0.9, f) for f in (0.25, 0.5, 0.7)],     # one chosen pair a prompt
+    "active_pairs": [(1.0, 4, "pairwise", 0.9, f) for f in (0.25, 0.5, 0.7)] +    # one chosen pair a prompt
+                    [(1.0, 4, "pairwise", 0.9, f, 2, ["train.steps=200"]) for f in (0.25, 0.375)],  # two rounds,
+                                                                    # each half the steps: one round's training
     "pickapic": [(1.0, 2, "pairwise", None, 0.0)],                   # K = 2 with ties, R = 3
 }
 
@@ -219,10 +222,12 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
     from difftrain.train.checkpoint import Checkpointer
 
     share, k, kind, stop, chosen, *more = spec
-    sets = more[0] if more else []
+    rounds = more[0] if more else 1
+    sets = more[1] if len(more) > 1 else []
     prompts, select = max(2, round(share * args.prompts)), round(chosen * args.prompts)
     label = f"{prompts} prompts, K = {k}, {kind}" + (f", stop at {stop}" if stop else "") + \
-        (f", {select} pairs chosen ({args.select_rule})" if select else "") + "".join(f", {x}" for x in sets)
+        (f", {select} pairs chosen ({args.select_rule})" if select else "") + \
+        (f", {rounds} rounds" if rounds > 1 else "") + "".join(f", {x}" for x in sets)
     done, failed = root / "result.json", root / "failed.json"
     if done.is_file():                    # a rerun of the bench with --dir keeps finished runs
         return json.loads(done.read_text())
@@ -245,32 +250,45 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
     try:
         cli("align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", str(k),
             "--raters-per-item", "3", *raters, "--gold-share", "0.15", "--gold-measure", reads, "--gold-rate",
-            "0.2", "--eval-n", "0", "--seed", str(seed), *extra, cwd=root)
+            "0.2", "--eval-n", "0", "--seed", str(seed), "--rounds", str(rounds), *extra, cwd=root)
     except CliFailed as e:
         # One round that cannot finish (gold flagged too many of the four raters for R = 3 to be reached) is a
         # result to report, not the end of a bench of fifteen rounds: it counts in no figure and is tried again
         # from nothing by the next run of the bench with this --dir.
         out = {"label": label, "prompts": prompts, "k": k, "kind": kind, "stop_confidence": stop,
-               "select_items": select, "failed": e.error, "judgements": None, "gain_pp": None,
+               "select_items": select, "rounds": rounds, "failed": e.error, "judgements": None, "gain_pp": None,
                "acc_drop_pp": None, "acc_drop_upper95_pp": None, "round_seconds": round(time.perf_counter() - t0, 1)}
         failed.write_text(json.dumps(out))
         return out
     wall = time.perf_counter() - t0
-    st = json.loads((root / "rounds" / "round_001" / "round.json").read_text())["stages"]
+    stages = [json.loads((root / "rounds" / f"round_{i:03d}" / "round.json").read_text())["stages"]
+              for i in range(1, rounds + 1)]
+    st = stages[-1]
     after = paired_eval(Path(st["dpo"]["run"]), args.n, base_cfg.eval.seed, use_ema=False)
     b, a = dict(before), dict(after)
     b["preferred"], a["preferred"] = before[f"quarter_{measure}"], after[f"quarter_{measure}"]
     cmp = compare(b, a, np.random.default_rng(seed))
     out = {"label": label, "prompts": prompts, "k": k, "kind": kind, "stop_confidence": stop,
-           "select_items": select, "judgements": st["rated"]["cost"]["judgements"],
-           "gold_judgements": st["rated"]["cost"]["gold"], "by_rater": st["rated"]["cost"]["by_rater"],
-           "pairs": st["pairs"].get("pairs"), "ties_dropped": st["pairs"].get("ties_dropped"),
+           "select_items": select, "rounds": rounds, **spent(stages),
            "gain_pp": cmp["preferred_rate_gain_pp"], "preferred_rate_after": cmp["preferred_rate_after"],
            "acc_drop_pp": cmp["prompt_acc_drop_pp"], "acc_drop_upper95_pp": cmp["prompt_acc_drop_upper95_pp"],
-           "acc_drop_by_task_pp": cmp["acc_drop_pp"], "spammer_flagged": st["rated"]["raters"]["spammer"]["flagged"],
+           "acc_drop_by_task_pp": cmp["acc_drop_pp"],
            "round_seconds": round(wall, 1)}
     done.write_text(json.dumps(out))
     return out
+
+
+def spent(stages: list[dict]) -> dict:
+    """What the rounds of one run spent, from each round's record (``round.json``'s stages): every round's
+    judgements, gold included, summed; each round's by rater; the spammer counted as flagged only when every round
+    flagged it (a round where it went unflagged counted its answers)."""
+    return {"judgements": sum(x["rated"]["cost"]["judgements"] for x in stages),
+            "gold_judgements": sum(x["rated"]["cost"]["gold"] for x in stages),
+            "by_rater": ([x["rated"]["cost"]["by_rater"] for x in stages] if len(stages) > 1
+                         else stages[0]["rated"]["cost"]["by_rater"]),
+            "pairs": sum(x["pairs"].get("pairs") or 0 for x in stages),
+            "ties_dropped": sum(x["pairs"].get("ties_dropped") or 0 for x in stages),
+            "spammer_flagged": all(x["rated"]["raters"]["spammer"]["flagged"] for x in stages)}
 
 
 def summarize_method(runs: list[dict], today_answers: int | None) -> dict:

@@ -91,6 +91,19 @@ def test_a_round_through_the_app_with_scripted_raters_resumes_at_any_stage(tmp_p
     cost = rated["cost"]
     assert 8 <= cost["judgements"] <= 12 and cost["judgements"] <= cost["answers"]
     assert rated["batch"]["complete"] == 4
+    # A second round asks the same way about the candidates of the model the first trained, against that model as
+    # its reference: its pairs are chosen anew, its answers spent anew.
+    two = [x for x in pairwise if x not in ("--until", "rated")] + ["--rounds", "2", "--eval-n", "0"]
+    out = json.loads(_cli(two, tmp_path).stdout.splitlines()[-1])
+    assert out["rounds"] == 2
+    second = json.loads((tmp_path / "chosen" / "round_002" / "round.json").read_text())
+    first_dpo = (tmp_path / "chosen" / "round_001" / "dpo").resolve()
+    assert Path(second["start"]) == first_dpo
+    assert Path(json.loads((tmp_path / "chosen" / "round_002" / "candidates" / "manifest.json").read_text())
+                ["checkpoint"]).resolve().is_relative_to(first_dpo)
+    assert second["stages"]["batch"]["selected"]["items"] == 4 and second["stages"]["dpo"]["steps"] == 4
+    assert 8 <= second["stages"]["rated"]["cost"]["judgements"] <= 12
+    assert second["stages"]["batch"]["batch"] != record["stages"]["batch"]["batch"]
     bad = _cli(["align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate3.db", "--out", "r3",
                 "--select-items", "2"], tmp_path, check=False)
     assert bad.returncode == 2 and "add --kind pairwise" in bad.stderr

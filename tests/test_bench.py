@@ -103,3 +103,22 @@ def test_efficiency_summary_counts_within_the_accuracy_budget_and_leaves_failed_
     assert none["answers_fraction_for_40pp"] is None and none["gain_pp_at_todays_answers"] is None
     err = bench.CliFailed("difftrain align failed", "INFO x\nerror: batch b: the automatic raters ran out of items\n")
     assert isinstance(err, SystemExit) and err.error == "batch b: the automatic raters ran out of items"
+
+
+def test_a_run_of_two_rounds_spends_the_answers_of_both():
+    """A run of several rounds counts every round's judgements (gold too) against today's; the spammer counts as
+    flagged only if every round flagged it."""
+    bench = _dpo_bench()
+
+    def stage(j, gold, pairs, flagged):
+        return {"rated": {"cost": {"judgements": j, "gold": gold, "by_rater": {"a": j}},
+                          "raters": {"spammer": {"flagged": flagged}}},
+                "pairs": {"pairs": pairs, "ties_dropped": 1}}
+
+    one = bench.spent([stage(95, 12, 29, False)])
+    assert one == {"judgements": 95, "gold_judgements": 12, "by_rater": {"a": 95}, "pairs": 29, "ties_dropped": 1,
+                   "spammer_flagged": False}
+    two = bench.spent([stage(95, 12, 29, True), stage(125, 8, 19, False)])
+    assert two["judgements"] == 220 and two["gold_judgements"] == 20 and two["pairs"] == 48
+    assert two["by_rater"] == [{"a": 95}, {"a": 125}] and two["ties_dropped"] == 2 and not two["spammer_flagged"]
+    assert bench.spent([stage(95, 12, 29, True), stage(125, 8, 19, True)])["spammer_flagged"]
