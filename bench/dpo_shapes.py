@@ -215,6 +215,16 @@ METHODS = {
 }
 
 
+def set_aside(root: Path) -> Path:
+    """Move a failed run's folder aside (``NAME.failed-TIME``), saying why it failed, so that it is tried again
+    from nothing; returns where it went."""
+    why = json.loads((root / "failed.json").read_text())["failed"]         # read before the folder moves
+    aside = root.with_name(f"{root.name}.failed-{time.time_ns()}")
+    root.rename(aside)
+    print(f"{root}: the last try failed ({why}); kept as {aside.name}, trying again", file=sys.stderr)
+    return aside
+
+
 def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int, before: dict, args) -> dict:
     """One round through the app for one preference and one way of asking; its cost in judgements and its gain."""
     from difftrain.config import from_dict, load_config, preset_path, to_toml
@@ -232,10 +242,7 @@ def efficiency_run(base: Path, root: Path, measure: str, spec: tuple, seed: int,
     if done.is_file():                    # a rerun of the bench with --dir keeps finished runs
         return json.loads(done.read_text())
     if failed.is_file():                  # a round that failed is tried again from nothing, the old one kept aside
-        aside = root.with_name(f"{root.name}.failed-{int(time.time())}")
-        root.rename(aside)
-        print(f"{root}: the last try failed ({json.loads(failed.read_text())['failed']}); kept as {aside.name}, "
-              "trying again", file=sys.stderr)
+        set_aside(root)
     root.mkdir(parents=True, exist_ok=True)
     base_cfg = from_dict(Checkpointer.read_info(base)["config"], "base")
     world = world_from_config(base_cfg.data, 9000 + seed)

@@ -122,3 +122,13 @@ def test_a_run_of_two_rounds_spends_the_answers_of_both():
     assert two["judgements"] == 220 and two["gold_judgements"] == 20 and two["pairs"] == 48
     assert two["by_rater"] == [{"a": 95}, {"a": 125}] and two["ties_dropped"] == 2 and not two["spammer_flagged"]
     assert bench.spent([stage(95, 12, 29, True), stage(125, 8, 19, True)])["spammer_flagged"]
+
+
+def test_a_failed_run_is_set_aside_with_its_reason_and_tried_again(tmp_path, capsys):
+    bench = _dpo_bench()
+    run = tmp_path / "active_pairs-3"
+    run.mkdir()
+    (run / "failed.json").write_text(json.dumps({"failed": "the automatic raters ran out of items"}))
+    aside = bench.set_aside(run)
+    assert not run.exists() and (aside / "failed.json").is_file() and aside.name.startswith("active_pairs-3.failed-")
+    assert "ran out of items" in capsys.readouterr().err
