@@ -336,15 +336,18 @@ def plot_efficiency(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(prefs), figsize=(4.2 * len(prefs), 3.6), sharey=True, squeeze=False)
     for ax, (pref, methods) in zip(axes[0], prefs.items()):
         for name, m in methods.items():
-            counted = [r for r in m["runs"] if "answers_fraction" in r]     # none when today's round failed
-            xs = [r["answers_fraction"] for r in counted]
-            ys = [r["gain_pp"] for r in counted]
-            order = np.argsort(xs)
             color = f"C{list(METHODS).index(name) % 10}"          # a method keeps its colour in every panel
-            ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o", color=color, label=name)
-            over = [(x, y) for x, y, r in zip(xs, ys, counted) if r["acc_drop_pp"] > 3]   # past the accuracy budget
-            if over:
-                ax.plot(*zip(*over), ls="none", marker="o", mfc="white", mec=color)
+            every = [r for r in m["runs"] if "answers_fraction" in r]       # none when today's round failed
+            for n in sorted({r.get("rounds", 1) for r in every}):          # a line for each number of rounds
+                counted = [r for r in every if r.get("rounds", 1) == n]
+                xs = [r["answers_fraction"] for r in counted]
+                ys = [r["gain_pp"] for r in counted]
+                order = np.argsort(xs)
+                ax.plot(np.array(xs)[order], np.array(ys)[order], marker="o" if n == 1 else "s", color=color,
+                        ls="-" if n == 1 else "--", label=name if n == 1 else f"{name}, {n} rounds")
+                over = [(x, y) for x, y, r in zip(xs, ys, counted) if r["acc_drop_pp"] > 3]   # past the budget
+                if over:
+                    ax.plot(*zip(*over), ls="none", marker="o" if n == 1 else "s", mfc="white", mec=color)
         ax.axhline(40, color="grey", lw=0.8, ls="--")
         ax.axvline(0.25, color="grey", lw=0.8, ls=":")
         ax.set_title(f"{pref} (before {result['preferred_rate_before'][pref]:.2f})")
