@@ -25,6 +25,13 @@ items served at a rate of 0.2), and adds ``krippendorff_alpha``, each rater's ``
         [--dir DIR] [--set KEY=VALUE ...]
 
 Without ``--base`` (or when it is missing) the demo is run first (``difftrain demo --out DIR/demo``, ~15 min).
+
+``--efficiency`` (what each way of asking costs in human judgements and buys, for ``--preferences light left high``):
+every round goes through the app with its scripted raters, who read the caption first (``--raters-read``), and gold;
+the methods of ``METHODS`` below (today's ranking round, adaptive stopping, chosen pairs in one round and over two,
+Pick-a-Pic's K = 2) from the same base, one seed, each evaluated paired at ``--n``; the last line is the JSON with
+``settings`` saying what ran. Under an hour on 2 cores for three preferences (42 min without Pick-a-Pic); a rerun with
+``--dir`` keeps finished runs and retries failed ones.
 """
 
 from __future__ import annotations
@@ -416,10 +423,10 @@ def main() -> None:
     ap.add_argument("--select-rule", default="spread", choices=("spread", "balanced", "random"),
                     help="--efficiency: how active_pairs chooses its pairs ('difftrain select --rule'); a --dir "
                          "keeps finished runs, so give each rule a --dir of its own")
-    ap.add_argument("--raters-read", default="pixels", choices=("pixels", "caption"),
-                    help="--efficiency: what the honest and noisy raters (and gold) look at: the preference's "
-                         "measure alone, or the caption first (an image that does not show it ranks last; two "
-                         "such images are 'both bad'), as people do")
+    ap.add_argument("--raters-read", default="caption", choices=("pixels", "caption"),
+                    help="--efficiency: what the honest and noisy raters (and gold) look at: the caption first (the "
+                         "default: an image that does not show it ranks last, two such images are 'both bad'), as "
+                         "people do, or the preference's measure alone")
     ap.add_argument("--plot", default=None, help="--efficiency: write the curves (answers -> gain) to this PNG")
     args = ap.parse_args()
     if args.efficiency and "today" not in args.methods:
