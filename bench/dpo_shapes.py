@@ -149,7 +149,7 @@ def app_round(base: Path, root: Path, seed: int, args) -> dict:
     base_cfg = from_dict(info["config"], "base")
     world = world_from_config(base_cfg.data, 9000 + seed)
     (root / "prompts.txt").write_text("".join(world.prompt("t2i", i) + "\n" for i in range(args.prompts)))
-    cfg = load_config(preset_path(args.config), [f"run.seed={seed}", f'dpo.init="{base}"', *args.overrides, *sets])
+    cfg = load_config(preset_path(args.config), [f"run.seed={seed}", f'dpo.init="{base}"', *args.overrides])
     (root / "dpo.toml").write_text(to_toml(cfg))
     t0 = time.perf_counter()
     cli("align", "dpo.toml", "--prompts", "prompts.txt", "--db", "rate.db", "--out", "rounds", "--k", str(args.k),
