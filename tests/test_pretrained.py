@@ -131,6 +131,9 @@ def _worker(rank: int, world: int, port: int, jobs: list, out: str) -> None:
             Path(out, f"{name}.{rank}.json").write_text(json.dumps(report))
             if rank == 0:
                 save_file(dict(full, __out__=y.contiguous()), str(Path(out, f"{name}.safetensors")))
+        # Both ranks leave together: a rank tearing gloo down while its peer is still writing can abort the peer
+        # ("terminate called without an active exception", seen once on a loaded machine).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
