@@ -24,20 +24,17 @@ import torch
 
 
 def full_blocks():
-    """The blocks' forward without the last block's pruning: every row computed, the text rows dropped after."""
-    from difftrain.models.layers import DoubleStreamBlock, SingleStreamBlock
+    """The single blocks' forward without the last block's pruning: every row computed, the text rows dropped after (a
+    double-only model's last block is pruned by construction: `context_pre_only`)."""
+    from difftrain.models.layers import SingleStreamBlock
 
-    single, double = SingleStreamBlock.forward, DoubleStreamBlock.forward
+    single = SingleStreamBlock.forward
 
     def single_full(self, x, vec, rope, mask=None, keep_from=0):
         return single(self, x, vec, rope, mask)[:, keep_from:]
 
-    def double_full(self, img, txt, vec, rope, mask=None, text_out=True):
-        return double(self, img, txt, vec, rope, mask)
-
     def apply(on: bool) -> None:
         SingleStreamBlock.forward = single_full if on else single
-        DoubleStreamBlock.forward = double_full if on else double
 
     return apply
 

@@ -36,8 +36,8 @@ from difftrain.config import Config, from_dict, to_toml
 from difftrain.errors import UserError
 from difftrain.models import dit_params
 from difftrain.models.dit import DiTParams, MMDiT
-from difftrain.models.flux_adapter import FINAL_ADALN, diffusers_config, params_from_diffusers_config, tensor_plan, \
-    to_diffusers
+from difftrain.models.flux_adapter import FINAL_ADALN, context_output_tensors, diffusers_config, \
+    params_from_diffusers_config, tensor_plan, to_diffusers
 from difftrain.parallel.pretrained import DIFFUSERS_WEIGHTS, EXPORT_FORMAT, EXPORT_PREFIX, EXPORT_WEIGHTS
 from difftrain.parallel.stream_writer import SafetensorsStreamWriter as _SafetensorsWriter
 from difftrain.train.checkpoint import Checkpointer
@@ -98,6 +98,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
     _check_complete(ckpt, prefix, sources)
     _check_totals(ckpt, info, metadata.state_dict_metadata, prefix, sources)
     params = _check_dit(ckpt, cfg, prefix, sources)
+    for o, _ in context_output_tensors(params):     # a checkpoint written before the last block lost them: not exported
+        sources.pop(EXPORT_PREFIX + o, None)
 
     if layout == "difftrain":
         plan = _difftrain_plan(sources)
@@ -207,7 +209,8 @@ def _check_dit(ckpt: Path, cfg: Config, prefix: str, sources: dict[str, Any]) ->
                         _shape(sources, f"{p}vector_in.in_layer.weight", ckpt)[1])
     with torch.device("meta"):
         expected = {p + k: tuple(v.shape) for k, v in MMDiT(params).named_parameters()}
-    found = {k: tuple(md.size) for k, md in sources.items() if k.startswith(p)}
+    legacy = {p + o for o, _ in context_output_tensors(params)}   # written before the last block lost them
+    found = {k: tuple(md.size) for k, md in sources.items() if k.startswith(p) and k not in legacy}
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     wrong = [f"{k} {list(found[k])} (expected {list(s)})" for k, s in expected.items() if k in found and found[k] != s]
     if missing or unexpected or wrong:

@@ -67,8 +67,12 @@ class MMDiT(nn.Module):
         self.vector_in = MLPEmbedder(p.pooled_dim, p.hidden)
         self.guidance_in = MLPEmbedder(256, p.hidden) if p.guidance_embed else None
         self.pos_in = PositionEmbedder(p.hidden) if p.abs_pos_embed else None
+        # With no single block after it, the last double block's text rows are keys and values only: it is built
+        # without text output weights (``context_pre_only``), so every parameter gets a gradient and optimizer state
         self.double_blocks = nn.ModuleList(
-            DoubleStreamBlock(p.hidden, p.heads, p.mlp_ratio, p.qkv_bias) for _ in range(p.double_blocks))
+            DoubleStreamBlock(p.hidden, p.heads, p.mlp_ratio, p.qkv_bias,
+                              context_pre_only=p.single_blocks == 0 and i == p.double_blocks - 1)
+            for i in range(p.double_blocks))
         self.single_blocks = nn.ModuleList(
             SingleStreamBlock(p.hidden, p.heads, p.mlp_ratio) for _ in range(p.single_blocks))
         self.final_layer = LastLayer(p.hidden, p.in_channels)
@@ -103,9 +107,9 @@ class MMDiT(nn.Module):
             keep_i = img_mask_BL if img_mask_BL is not None else torch.ones(B, img.shape[1], device=img.device)
             mask = torch.cat((keep_t.bool(), keep_i.bool()), 1)[:, None, None, :]
         # Only the image tokens of the last block are read: its text rows' MLP and projections are skipped.
-        n_double, n_single = len(self.double_blocks), len(self.single_blocks)
-        for i, block in enumerate(self.double_blocks):
-            img, txt = block(img, txt, vec, rope, mask, text_out=n_single > 0 or i < n_double - 1)
+        n_single = len(self.single_blocks)
+        for block in self.double_blocks:
+            img, txt = block(img, txt, vec, rope, mask)
         x = torch.cat((txt, img), 1) if n_single else img
         for i, block in enumerate(self.single_blocks):
             x = block(x, vec, rope, mask, keep_from=T if i == n_single - 1 else 0)

@@ -55,6 +55,22 @@ _SINGLE_NORMS = [("norm.query_norm", "attn.norm_q.weight"), ("norm.key_norm", "a
 _SINGLE_FUSED = [("linear1", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))]
 
 
+_CONTEXT_OUT = ("txt_attn.proj", "txt_mlp.0", "txt_mlp.2")     # a context_pre_only block has none of these
+
+
+def context_output_tensors(p: DiTParams) -> list[tuple[str, str]]:
+    """(ours, diffusers) names of the text-output tensors that a double-only model's last block does not have
+    (``context_pre_only``: its text rows are keys and values only). diffusers' FLUX blocks always carry them: they are
+    ignored when read, written as zeros (exact: nothing reads that output) when exported, and a checkpoint written
+    before the block lost them still holds them, ignored on load."""
+    if p.single_blocks or not p.double_blocks:
+        return []
+    i = p.double_blocks - 1
+    names = dict(_DOUBLE)
+    return [(f"double_blocks.{i}.{o}.{s}", f"transformer_blocks.{i}.{names[o]}.{s}")
+            for o in _CONTEXT_OUT for s in ("weight", "bias")]
+
+
 def params_from_diffusers_config(config: dict[str, Any]) -> DiTParams:
     """DiTParams for a diffusers ``FluxTransformer2DModel`` config (its ``config.json`` as a dict)."""
     if config.get("patch_size", 1) != 1:
@@ -87,9 +103,11 @@ def tensor_plan(p: DiTParams) -> tuple[list[tuple[str, str]], list[tuple[str, tu
 
     for o, d in _TOP + (_GUIDANCE if p.guidance_embed else []):
         linear(o, d)
+    absent = {o for o, _ in context_output_tensors(p)}
     for i in range(p.double_blocks):
         for o, d in _DOUBLE:
-            linear(f"double_blocks.{i}.{o}", f"transformer_blocks.{i}.{d}")
+            if f"double_blocks.{i}.{o}.weight" not in absent:
+                linear(f"double_blocks.{i}.{o}", f"transformer_blocks.{i}.{d}")
         for o, d in _DOUBLE_NORMS:
             renames.append((f"double_blocks.{i}.{o}", f"transformer_blocks.{i}.{d}"))
         for o, ds in _DOUBLE_FUSED:
@@ -117,7 +135,8 @@ def from_diffusers(sd: dict[str, Tensor], p: DiTParams) -> dict[str, Tensor]:
     renames, fused = tensor_plan(p)
     expected = {d for _, d in renames} | {d for _, ds in fused for d in ds}
     expected |= {f"{FINAL_ADALN[1]}.weight", f"{FINAL_ADALN[1]}.bias"}
-    missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
+    ignored = {d for _, d in context_output_tensors(p)}
+    missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - expected - ignored)
     if missing or unexpected:
         raise KeyError(f"not a FLUX transformer state dict for these params: missing {missing[:5]}"
                        f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
@@ -144,7 +163,17 @@ def to_diffusers(sd: dict[str, Tensor], p: DiTParams) -> dict[str, Tensor]:
             out[d] = piece.contiguous()
     for suffix in ("weight", "bias"):
         out[f"{FINAL_ADALN[1]}.{suffix}"] = _swap_halves(sd[f"{FINAL_ADALN[0]}.{suffix}"])
+    like = sd["img_in.weight"]
+    for o, d in context_output_tensors(p):      # diffusers' block has them: zeros, since nothing reads that output
+        out[d] = torch.zeros(_context_shape(o, p), dtype=like.dtype, device=like.device)
     return out
+
+
+def _context_shape(ours: str, p: DiTParams) -> tuple[int, ...]:
+    mlp = int(p.hidden * p.mlp_ratio)
+    rows, cols = {"txt_attn.proj": (p.hidden, p.hidden), "txt_mlp.0": (mlp, p.hidden),
+                  "txt_mlp.2": (p.hidden, mlp)}[ours.split(".", 2)[2].rsplit(".", 1)[0]]
+    return (rows, cols) if ours.endswith(".weight") else (rows,)
 
 
 def diffusers_config(p: DiTParams) -> dict[str, Any]:

@@ -121,14 +121,15 @@ class Modulation(nn.Module):
 
 
 class SelfAttentionParams(nn.Module):
-    """Fused qkv projection, QK-norm and output projection of one stream of a double block."""
+    """Fused qkv projection, QK-norm and output projection (none for keys and values only) of one stream of a double
+    block."""
 
-    def __init__(self, dim: int, heads: int, qkv_bias: bool):
+    def __init__(self, dim: int, heads: int, qkv_bias: bool, out_proj: bool = True):
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.norm = QKNorm(dim // heads)
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim) if out_proj else None
 
     def qkv_heads(self, x_BLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = _split_heads(self.qkv(x_BLD), self.heads)
@@ -143,19 +144,24 @@ def _mlp(dim: int, hidden: int) -> nn.Sequential:
 class DoubleStreamBlock(nn.Module):
     """Text and image keep their own weights; they meet in one joint attention (MMDiT)."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: float, qkv_bias: bool = True):
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, qkv_bias: bool = True, context_pre_only: bool = False):
+        """``context_pre_only`` (the last block when no single block follows, as SD3's last joint block): the text
+        stream gives keys and values only, so the block has no text output projection and no text MLP at all.
+        Its text modulation keeps the full width (a checkpoint written before this layout resumes into it); the
+        rows that would modulate the text output get no gradient."""
         super().__init__()
         mlp_hidden = int(dim * mlp_ratio)
+        self.context_pre_only = context_pre_only
         self.img_mod, self.txt_mod = Modulation(dim, 2), Modulation(dim, 2)
-        self.img_attn = SelfAttentionParams(dim, heads, qkv_bias)
-        self.txt_attn = SelfAttentionParams(dim, heads, qkv_bias)
-        self.img_mlp, self.txt_mlp = _mlp(dim, mlp_hidden), _mlp(dim, mlp_hidden)
+        self.img_attn = SelfAttentionParams(dim, heads, qkv_bias, out_proj=True)
+        self.txt_attn = SelfAttentionParams(dim, heads, qkv_bias, out_proj=not context_pre_only)
+        self.img_mlp = _mlp(dim, mlp_hidden)
+        self.txt_mlp = None if context_pre_only else _mlp(dim, mlp_hidden)
         self.attention = Attention()
 
     def forward(self, img: Tensor, txt: Tensor, vec: Tensor, rope: tuple[Tensor, Tensor],
-                mask: Tensor | None = None, text_out: bool = True) -> tuple[Tensor, Tensor]:
-        """``text_out = False`` (the last block, when no single block follows): the text stream's keys and values
-        are used, its output is not, so its projection and MLP are not computed (``txt`` is returned as given)."""
+                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """A ``context_pre_only`` block returns ``txt`` as given: its text rows are keys and values only."""
         img_mod1, img_mod2 = self.img_mod(vec)
         txt_mod1, txt_mod2 = self.txt_mod(vec)
         iq, ik, iv = self.img_attn.qkv_heads(img_mod1.modulate(img))
@@ -165,7 +171,7 @@ class DoubleStreamBlock(nn.Module):
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
         img = img_mod1.gated(img, self.img_attn.proj(img_attn))
         img = img_mod2.gated(img, self.img_mlp(img_mod2.modulate(img)))
-        if not text_out:
+        if self.context_pre_only:
             return img, txt
         txt = txt_mod1.gated(txt, self.txt_attn.proj(txt_attn))
         txt = txt_mod2.gated(txt, self.txt_mlp(txt_mod2.modulate(txt)))
