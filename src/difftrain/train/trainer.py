@@ -77,6 +77,16 @@ class Fetched:
     step_s: float = 0.0      # time of the optimizer step on them
 
 
+def _reads_counted_once(state: dict, config: dict) -> dict:
+    """A store loader's state saved before the read-error budget counted context-parallel peers' shared rows once: its
+    counters were cp times the rows read; brought to rows, so a resume at any cp continues the same budget."""
+    cp = int((config.get("parallel") or {}).get("cp", 1) or 1)
+    if state.get("kind") != "store" or state.get("reads_counted") == "once" or cp <= 1:
+        return state
+    return {**state, "read_errors": int(state.get("read_errors", 0)) // cp,
+            "samples_read": int(state.get("samples_read", 0)) // cp}
+
+
 class Trainer(TrainerOutputs):
     """``source``: a ``ConfiguredSource`` (the vocabulary and the per-rank source). ``resume``: continue from
     the newest complete checkpoint of the run directory (False: refuse a run directory that has one).
@@ -359,7 +369,7 @@ class Trainer(TrainerOutputs):
             group.update(self.optimizer_kind)
         self.step = int(info["step"])
         self.metrics.resumed_at(self.step)          # TensorBoard: the steps replayed from here show once
-        self.loader.load_state_dict(info["loader"])
+        self.loader.load_state_dict(_reads_counted_once(info["loader"], info.get("config", {})))
         saved_total = int(info["total_steps"])
         self.budget.load_state_dict(info, info.get("config", {}).get("train", {}))
         if self.total_steps != saved_total and self.step > 0:
@@ -445,6 +455,8 @@ class Trainer(TrainerOutputs):
         t1 = time.perf_counter()
         stop_flag = 1.0 if self.preemption.requested else 0.0
         asked, unreadable = sum(b.rows_asked for b in batches), sum(b.rows_unreadable for b in batches)
+        if self.env.cp_rank:         # context-parallel peers read the same rows: the budget counts them once
+            asked = unreadable = 0
         # The other: one all-reduce of the loss, tokens, FLOPs, the stop flag (every rank stops after the same
         # step; the logged loss is global) and the store's reads (the read-error budget, decided on every rank).
         loss_sum, tokens, flops, stop, asked, unreadable = all_reduce_sum(

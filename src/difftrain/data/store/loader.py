@@ -499,7 +499,7 @@ class StoreLoader:
                 "positions": positions,
                 "global_batches": {f"{s.name}/{b.name}": b.global_batch for s in self.stages for b in s.buckets},
                 "versions": {n: t.version for n, t in self.tables.items()}, "read_errors": self.read_errors,
-                "samples_read": self.samples_read}
+                "samples_read": self.samples_read, "reads_counted": "once"}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "store":
