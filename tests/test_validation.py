@@ -70,8 +70,14 @@ def test_the_store_holds_out_the_validation_source(tmp_path):
     for _ in range(8):
         for b in next(loader):
             assert not set(b.sample_ids) & curated                        # never trained on
-    stage, batches = store_batches(cfg, loader, 0)
-    assert stage == "low" and batches
+    stage, pairs, lost = store_batches(cfg, loader, 0)
+    assert stage == "low" and pairs and lost == 0 and all(counts for _, counts in pairs)
+    batches = [b for b, _ in pairs]
+    # shared out over two ranks: the same micro-batches between them, each once (a share of one more is a repeat)
+    halves = [store_batches(cfg, loader, 0, r, 2)[1] for r in range(2)]
+    assert len(halves[0]) == len(halves[1]) == -(-len(batches) // 2)
+    counted = sorted(i for h in halves for b, counts in h if counts for i in b.sample_ids)
+    assert counted == sorted(i for b in batches for i in b.sample_ids)
     ids = [i for b in batches for i in b.sample_ids]
     assert set(ids) <= curated and len(ids) == len(set(ids))
     per_table = {}

@@ -20,12 +20,16 @@ in the metrics. Kinds:
 - ``unreadable``: a store-fed rank's first row of step STEP reads as damaged (the row is left out of the step and
   counted against ``data.max_error_rate``), every time the step is read: unlike the others, it has no marker;
 - ``sealfail``: sealing the checkpoint of STEP fails on rank 0 alone (``trainer.json`` cannot be written: ENOSPC),
-  after every rank wrote its shards.
+  after every rank wrote its shards;
+- ``valunreadable``: the store rows of the rank's share of the validation set at step STEP read as damaged (every
+  time, like ``unreadable``);
+- ``savefail``: the checkpoint of STEP fails on the rank with EIO in the storage writer, every time it is written
+  (a filesystem that keeps failing; unlike ``enospc``, not once).
 
 ``DIFFTRAIN_SAMPLE_LOG=PATH`` makes every rank append, per step, the sample ids of its batches to
 ``PATH.rank<R>`` (JSON lines), so that a harness can check the sample stream for repeats and gaps.
 
-Each fault but ``unreadable`` fires once per run directory (a marker under ``RUN/faults/`` records it), so a
+Each fault but ``unreadable``, ``valunreadable`` and ``savefail`` fires once per run directory (a marker under ``RUN/faults/`` records it), so a
 restarted or requeued job does not meet it again; unset, nothing here does anything.
 """
 
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("kill", "killsave", "enospc", "erofs", "nan", "hang", "slow", "pause", "sigterm", "corrupt", "truncate",
-         "enospc_partial", "unreadable", "sealfail")
+         "enospc_partial", "unreadable", "sealfail", "valunreadable", "savefail")
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,12 @@ def unreadable_at(step: int) -> bool:
     damaged row stays damaged, so a replay of the step after a restart meets it again)."""
     rank = str(_state["rank"])
     return any(f.kind == "unreadable" and f.step == step and f.rank in ("*", rank) for f in _state["faults"])
+
+
+def validation_unreadable_at(step: int) -> bool:
+    """Whether this rank's share of the store's validation rows at step ``step`` is to read as damaged."""
+    rank = str(_state["rank"])
+    return any(f.kind == "valunreadable" and f.step == step and f.rank in ("*", rank) for f in _state["faults"])
 
 
 def seal_fails(step: int) -> None:

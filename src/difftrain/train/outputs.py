@@ -16,6 +16,7 @@ import torch
 from difftrain.data.batch import Batch
 from difftrain.diffusion.pipeline import Pipeline
 from difftrain.parallel.compile import compile_count
+from difftrain.parallel.dist import all_reduce_sum
 from difftrain.parallel.cp import cp_disabled
 from difftrain.parallel.flops import mfu
 from difftrain.train.metrics import peak_memory_gb
@@ -81,9 +82,10 @@ class TrainerOutputs:
 
     def _validate(self) -> None:
         """The flow-matching validation loss (``train.validation``) every ``validation.every`` steps and at the end,
-        of the weights and of their EMA; kept for the step's metrics row (``_log_step`` writes it)."""
+        of the weights and of their EMA; kept for the step's metrics row (``_log_step`` writes it). The set is shared
+        out over the data-parallel ranks and the sums added; a row any rank cannot read skips it on every rank."""
         from difftrain.train.objectives import Denoiser
-        from difftrain.train.validation import shapes_batches, store_batches, validation_loss
+        from difftrain.train.validation import per_grid_point, shapes_batches, shard, store_batches, validation_sums
 
         v = self.cfg.validation
         if not v.every or self.objective.batch_kind != "samples" or not (
@@ -91,24 +93,40 @@ class TrainerOutputs:
             return
         self.watchdog.beat(self.step, "validation")
         t0 = time.perf_counter()
+        rank, world = self.env.dp_rank, self.env.dp_size
         if self.cfg.data.source == "store":
-            stage, batches = store_batches(self.cfg, self.loader, self.step - 1)
+            stage, batches, lost = store_batches(self.cfg, self.loader, self.step - 1, rank, world)
         else:
             if self.val_batches is None:
                 micro = self.cfg.train.micro_batch or min(16, v.n)
                 self.val_batches = shapes_batches(self.cfg, self.autoencoder, self.text_encoder.tokenize, micro)
-            stage, batches = None, self.val_batches
+            stage, batches, lost = None, shard(self.val_batches, rank, world), 0
+        # the verdict on reads, heard by every rank before any forward (a rank that lost rows would otherwise run
+        # fewer forwards, or raise alone, and leave the others in a collective until the timeout)
+        (lost,) = all_reduce_sum([float(lost)], self.device)
+        if lost:
+            log.warning("validation at step %d skipped on every rank: %d rows of the set unreadable over the ranks",
+                        self.step, round(lost / self.env.cp))
+            self.metrics.event("validation_skipped", self.step, unreadable=round(lost / self.env.cp))
+            self.val_values = {"val_skipped": 1}
+            return
         denoiser = Denoiser(self.model, self.text_encoder, self.device, self.amp, 1, 0, self.cfg.text.padding)
         self.checkpointer.wait_staged()          # the EMA swap below writes the parameters
         was = self.model.training
+        self.val_forwards = len(batches)         # this rank's micro-batches (its share, and a repeat if short)
+
+        def loss_over_ranks() -> tuple[float, list[float]]:
+            err, count = validation_sums(denoiser, batches, self.flow, v.timesteps, v.seed)
+            summed = torch.tensor(all_reduce_sum(err.tolist() + count.tolist(), self.device), dtype=torch.float64)
+            return per_grid_point(summed[:v.timesteps], summed[v.timesteps:])
+
         with cp_disabled(self.model):
             self.model.eval()
-            loss, per_t = validation_loss(denoiser, batches, self.flow, v.timesteps, v.seed)
+            loss, per_t = loss_over_ranks()
             values = {"val_loss": round(loss, 6), **{f"val_loss_t{j}": round(x, 6) for j, x in enumerate(per_t)}}
             if v.ema and self.ema is not None:
                 with self.ema.applied(self.model):
-                    values["val_loss_ema"] = round(validation_loss(denoiser, batches, self.flow, v.timesteps,
-                                                                   v.seed)[0], 6)
+                    values["val_loss_ema"] = round(loss_over_ranks()[0], 6)
         self.model.train(was)
         if stage is not None:
             values["val_stage"] = stage

@@ -171,6 +171,7 @@ class Trainer(TrainerOutputs):
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.source, self.preview_prompts = source, None
         self.val_batches, self.val_values = None, None       # the validation set (shapes), the step's figures
+        self.val_forwards = 0                                # this rank's micro-batches at the last validation
         self.base_preview = None                             # the base model's preview rows (a fine-tune's)
         self.loader = source.build(self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
                                    self.device, self.micro_batch)
