@@ -419,9 +419,10 @@ class AdapterConfig:
     alpha: float = meta("adapter alpha: the update is scaled by alpha / rank", gt=0, default=16.0)
     targets: list[str] = meta("the DiT's linear layers adapted, by name or name suffix ('qkv' adapts every "
                               "attention's fused q/k/v projection)", factory=lambda: list(ADAPTER_TARGETS))
-    dropout: float = meta("dropout on the adapter's input (LoRA) or on whole adapter modules (LoKr); it draws "
-                          "from each rank's own generator, so a run with dropout is not the same on every world "
-                          "size", ge=0, lt=1, default=0.0)
+    dropout: float = meta("dropout on the adapter's input (LoRA) or on whole adapter modules (LoKr); each rank draws "
+                          "from its own stream, seeded by (run.seed, step, rank, micro-batch), so a resume draws the "
+                          "same masks and ranks draw different ones; a run with dropout is not the same on every "
+                          "world size", ge=0, lt=1, default=0.0)
     export: str = meta("what the end-of-run export holds: 'adapter' (RUN/export/adapter/: the adapter's tensors and "
                        "adapter_config.json; the base beside it unless it is model.init_from, which the user has) or "
                        "'merge' (a plain model, every adapter folded into its layer)", choices=("adapter", "merge"),

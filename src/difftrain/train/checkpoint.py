@@ -457,13 +457,20 @@ class Checkpointer:
         want.update({f"optim.{k}": v for k, v in osd.items() if isinstance(v, Tensor)})
         if ema is not None:
             want.update({f"ema.{k}": v for k, v in ema.state_dict().items()})
+        stateless = _stateless_params(model, optimizer, want, p)
         _load_or_explain(want, p)
         model_sd = {k[len("model."):]: v for k, v in want.items() if k.startswith("model.")}
         if optimizer is not None:
             opt_sd = {k[len("optim."):]: v for k, v in want.items() if k.startswith("optim.")}
             opt_sd.update(info.get("optimizer", {}))
+            for param in stateless:          # as in the run that saved it: no state until its first gradient
+                optimizer.state.pop(param, None)
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=opt_sd,
                            options=_OPTS if keep is None else _PARTIAL)
+            for param in stateless:
+                if optimizer.state.get(param):
+                    raise RuntimeError("checkpoint load: a parameter with no saved optimizer state was given some")
+                optimizer.state.pop(param, None)
         else:
             model.load_state_dict(model_sd, strict=keep is None)
         if ema is not None:
@@ -494,6 +501,29 @@ def _state_dicts(model: nn.Module, optimizer, keep) -> tuple[dict[str, Any], dic
     if keep is not None:
         msd = {k: v for k, v in msd.items() if keep(k)}
     return msd, osd
+
+
+def _stateless_params(model: nn.Module, optimizer, want: dict[str, Tensor], path: Path) -> list[nn.Parameter]:
+    """Trainable parameters the checkpoint holds no optimizer state for at all: they had no gradient yet when it was
+    saved (a LoKr module dropped on every step so far, a layer whose output nothing read), so the optimizer made no
+    state for them. A fresh optimizer is given state for every parameter to load into; those keys are taken out of
+    ``want`` and the parameters' state removed after the load, as in the run that saved it. A parameter with part of
+    its state missing is left in ``want``: that is a mismatch, reported as one."""
+    if optimizer is None:
+        return []
+    try:
+        saved = set(PlainReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 -- an unreadable checkpoint is reported by the load itself
+        return []
+    out = []
+    for name, param in model.named_parameters():
+        prefix = f"optim.state.{name}."
+        keys = [k for k in want if k.startswith(prefix)]
+        if keys and param.requires_grad and not any(k.startswith(prefix) for k in saved):
+            for k in keys:
+                del want[k]
+            out.append(param)
+    return out
 
 
 def _describe(e: BaseException) -> str:

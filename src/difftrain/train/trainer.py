@@ -13,6 +13,7 @@ produces beside its steps (metrics rows, previews, the pipeline, the export) is 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -75,6 +76,13 @@ class Fetched:
     t0: float                # when the step began
     data_s: float            # time to take them from the source (with any injected fault)
     step_s: float = 0.0      # time of the optimizer step on them
+
+
+def dropout_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """The seed of a rank's dropout draws in one micro-batch of one step: a hash of the four (never the same stream on
+    two ranks, and the same after a resume)."""
+    digest = hashlib.sha256(f"dropout/{seed}/{step}/{rank}/{micro}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _reads_counted_once(state: dict, config: dict) -> dict:
@@ -154,6 +162,7 @@ class Trainer(TrainerOutputs):
         self.dit = self.model["dit"]
         self.adapter_base = self._adapter_base() if self.adapter is not None else None
         self.checkpoint_keys = keep_in_checkpoint(self.model)      # a frozen base: the adapters alone
+        self.dropout_seeded = self.adapter is not None and self.adapter.dropout > 0
         from difftrain.parallel.tune import install as install_attention
         self.attention = install_attention(cfg, self.model, self.device, self.amp, True, self.micro_batch,
                                            self.env.cp, self.run_dir,
@@ -432,6 +441,10 @@ class Trainer(TrainerOutputs):
         poison = faults.nan_at(self.step + 1)
         for i, batch in enumerate(batches):
             set_gradient_sync(self.fsdp_units, i == len(batches) - 1, self.cfg.parallel.grad_sync)
+            if self.dropout_seeded:
+                # peft's adapter dropout draws from the global generator: this rank's own stream for this step and
+                # micro-batch, so ranks differ and a resume draws the same masks (a function of the saved step)
+                torch.manual_seed(dropout_seed(self.cfg.run.seed, self.step, self.env.rank, i))
             with phases.phase("forward"):
                 micro = self.objective.loss(self.denoiser, batch, self.cfg.run.seed, self.step, normalizer)
             loss = micro.loss * float("nan") if poison else micro.loss
