@@ -9,7 +9,8 @@ from difftrain.config.schema import AdapterConfig, DPOConfig
 # Keys a resumed run may change without --allow-config-change: how the job runs, not what it computes.
 ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes", "train.log_every",
                      "train.sample_every", "train.checkpoint_every", "train.keep_checkpoints", "train.keep_every",
-                     "train.async_checkpoint", "train.metrics_port", "train.peak_tflops", "train.threads",
+                     "train.async_checkpoint", "train.checkpoint_timeout", "train.max_failed_saves",
+                     "train.metrics_port", "train.peak_tflops", "train.threads",
                      "train.compile", "train.export_dtype", "train.schedule_change",
                      "train.compile_cache", "train.micro_batch", "data.read_threads", "data.prefetch",
                      "data.cache_dir", "data.cache_gb", "data.cache_lookahead", "data.max_error_rate", "sample.",

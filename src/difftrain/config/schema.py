@@ -253,6 +253,12 @@ class TrainConfig:
     async_checkpoint: bool = meta("write checkpoints in the background: the state is staged to host memory (pinned "
                                   "on GPUs) before the next step, and written while training goes on; the final "
                                   "checkpoint and a preemption's are always written before exiting", default=True)
+    checkpoint_timeout: float = meta("minutes a background save's writers may wait for each other (their own gloo "
+                                     "group: the gather of every rank's write results waits for the slowest writer on "
+                                     "a shared file system, longer than parallel.timeout_minutes allows a step)",
+                                     gt=0, le=1440, default=60.0)
+    max_failed_saves: int = meta("stop the run, on every rank, once this many checkpoints in a row have failed: a run "
+                                 "never trains on for days with nothing to resume from", ge=1, le=1000, default=3)
     metrics_port: int = meta("serve Prometheus metrics on this port (the process of local rank r on port + r, so "
                              "every node serves the same ports; 0 = off)", ge=0, le=65535, default=0)
     peak_tflops: float = meta("dense peak TFLOP/s of one accelerator at the training dtype, for MFU (0 = from the "

@@ -30,6 +30,7 @@ rebuilds the metadata from the safetensors headers).
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import json
 import logging
 import os
@@ -117,6 +118,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class SaveFailed(UserError):
+    """A blocking save failed on some rank (every rank raises it): the previous checkpoint is intact."""
+
+
 @dataclass
 class SaveResult:
     """What one save cost and where it went. ``stall_s``: training time lost to it (staging and planning for
@@ -147,7 +152,7 @@ class Checkpointer:
     hears about saves, failures and checkpoints skipped as damaged."""
 
     def __init__(self, run_dir: str | Path, keep: int = 2, keep_every: int = 0, async_save: bool = False,
-                 on_event: Callable[..., None] | None = None):
+                 on_event: Callable[..., None] | None = None, timeout_minutes: float = 60.0):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep, self.keep_every, self.async_save = keep, keep_every, async_save
         self.on_event = on_event or (lambda kind, step, **info: None)
@@ -156,9 +161,13 @@ class Checkpointer:
         self._stager_obj = None
         # Async writes synchronise over a gloo group of their own, so that they never interleave with the
         # training collectives of the default group (created collectively, by every rank, here).
-        # the writers' own gloo group (the trainer sets its collective timeout with the others')
-        self.group = dist.new_group(backend="gloo") if async_save and _distributed() else None
+        # Its own timeout (train.checkpoint_timeout), not the training collectives': the write-results gather waits for
+        # the slowest of hundreds of writers on a shared file system, which can take longer than a step may.
+        self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+                      if async_save and _distributed() else None)
         self.completed: list[SaveResult] = []
+        self.failed_in_row = 0            # this rank's saves that failed since the last that succeeded
+        self.last_error: str | None = None
         self.last_verify: dict | None = None
 
     # --- finding ---------------------------------------------------------------------------------
@@ -229,7 +238,8 @@ class Checkpointer:
                 error = f"{partial}: cannot create the checkpoint directory ({e})"
         said = agree(error)                 # the directory exists before any rank writes into it
         if said is not None:
-            raise UserError(said)
+            self._count(SaveResult(step, final, 0.0, started, error=said))
+            raise SaveFailed(said)
         tensors, info = self._gather(model, optimizer, ema, keep)
         tensors = save_share(tensors)            # what this rank's save plan writes, and all it stages
         doc = {"format": FORMAT, "step": step, "optimizer": info, **extra}
@@ -245,7 +255,8 @@ class Checkpointer:
             if said is not None:
                 result.error = said
                 self._abandon(partial, result)
-                raise UserError(f"checkpoint at step {step} failed, the previous one is intact: {said}")
+                self._count(result)
+                raise SaveFailed(f"checkpoint at step {step} failed, the previous one is intact: {said}")
             sealed = None
             try:
                 self._finish(partial, final, doc, result, t0, getattr(writer, "written", None))
@@ -257,9 +268,10 @@ class Checkpointer:
             if verdict is not None:
                 result.error = verdict
                 self._abandon(partial, result)
-                raise UserError(f"checkpoint at step {step} failed, the previous one is intact: {verdict}")
+                self._count(result)
+                raise SaveFailed(f"checkpoint at step {step} failed, the previous one is intact: {verdict}")
             result.stall_s = time.perf_counter() - t0
-            self.completed.append(result)
+            self._count(result)
             return result
         # Staging (the copy to host memory) runs in the background too, overlapping the next step's forward
         # and backward, which read the parameters but do not change them; ``wait_staged`` is called before
@@ -375,9 +387,23 @@ class Checkpointer:
         if pending is None:
             return None
         result = pending.future.result()
+        self._count(result)
+        return result
+
+    def poll(self) -> None:
+        """Take the outcome of an async save that has finished (without waiting for one that has not), so that
+        ``failed_in_row`` is current."""
+        pending = self._pending
+        if pending is not None and pending.future.done():
+            self.wait()
+
+    def _count(self, result: SaveResult) -> None:
         if result.error is None:
             self.completed.append(result)
-        return result
+            self.failed_in_row, self.last_error = 0, None
+        else:
+            self.failed_in_row += 1
+            self.last_error = result.error
 
     def close(self) -> None:
         self.wait()

@@ -23,8 +23,8 @@ in the metrics. Kinds:
   after every rank wrote its shards;
 - ``valunreadable``: the store rows of the rank's share of the validation set at step STEP read as damaged (every
   time, like ``unreadable``);
-- ``savefail``: the checkpoint of STEP fails on the rank with EIO in the storage writer, every time it is written
-  (a filesystem that keeps failing; unlike ``enospc``, not once).
+- ``savefail``: every checkpoint from step STEP on fails on the rank with EIO in the storage writer (a filesystem
+  that keeps failing; unlike ``enospc``, not once).
 
 ``DIFFTRAIN_SAMPLE_LOG=PATH`` makes every rank append, per step, the sample ids of its batches to
 ``PATH.rank<R>`` (JSON lines), so that a harness can check the sample stream for repeats and gaps.
@@ -199,6 +199,13 @@ def storage_writer(cls, path: str, step: int | None = None, **kwargs):
                 def write_data(self, plan, planner):
                     raise OSError(code, os.strerror(code), path)
             return Failing(path, **kwargs)
+    rank = str(_state["rank"])
+    if step is not None and any(f.kind == "savefail" and step >= f.step and f.rank in ("*", rank)
+                                for f in _state["faults"]):
+        class Broken(cls):
+            def write_data(self, plan, planner):
+                raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        return Broken(path, **kwargs)
     if _state["faults"] and step is not None and (f := _armed("enospc_partial", step)) is not None:
         _fire(f)
 

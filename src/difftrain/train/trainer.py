@@ -42,7 +42,7 @@ from difftrain.train import faults, phases
 from difftrain.train.budget import TimeBudget
 from difftrain.train.adapters import base_digest, base_quantized, check_same_base, frozen_to_bf16, \
     keep_in_checkpoint
-from difftrain.train.checkpoint import Checkpointer
+from difftrain.train.checkpoint import Checkpointer, SaveFailed
 from difftrain.train.ema import EMA
 from difftrain.train.health import JsonLogHandler, PreemptLead, Preemption, StepHealth, Watchdog, run_id, \
     write_requeue_marker, REQUEUE_MARKER
@@ -135,7 +135,7 @@ class Trainer(TrainerOutputs):
             self.micro_batch, self.accum = batch_split(tc.global_batch, tc.micro_batch, self.env.dp_size)
         self.lead = PreemptLead(self.run_dir, cfg.health.preempt_lead_s, self.metrics.event)
         self.checkpointer = Checkpointer(self.run_dir, tc.keep_checkpoints, tc.keep_every, tc.async_checkpoint,
-                                         on_event=self._checkpoint_event)
+                                         on_event=self._checkpoint_event, timeout_minutes=tc.checkpoint_timeout)
         found = self._find_checkpoint()
         info = self._check_resumable(found, resume, allow_config_change)
         torch.manual_seed(cfg.run.seed)
@@ -468,15 +468,19 @@ class Trainer(TrainerOutputs):
                                                     counts[1]]).tolist()
         t1 = time.perf_counter()
         stop_flag = 1.0 if self.preemption.requested else 0.0
+        self.checkpointer.poll()                # a background save that has ended: its outcome counted
+        saves_failing = 1.0 if self.checkpointer.failed_in_row >= tc.max_failed_saves else 0.0
         asked, unreadable = sum(b.rows_asked for b in batches), sum(b.rows_unreadable for b in batches)
         if self.env.cp_rank:         # context-parallel peers read the same rows: the budget counts them once
             asked = unreadable = 0
         # The other: one all-reduce of the loss, tokens, FLOPs, the stop flag (every rank stops after the same
         # step; the logged loss is global) and the store's reads (the read-error budget, decided on every rank).
-        loss_sum, tokens, flops, stop, asked, unreadable = all_reduce_sum(
-            [loss_local, tokens, flops, stop_flag, float(asked), float(unreadable)], self.device)
+        loss_sum, tokens, flops, stop, asked, unreadable, saves_failing = all_reduce_sum(
+            [loss_local, tokens, flops, stop_flag, float(asked), float(unreadable), saves_failing], self.device)
         t2 = time.perf_counter()
         wait += t2 - t1
+        if saves_failing:                       # the same verdict on every rank, before this step's update
+            self._stop_for_failed_saves()
         account = getattr(self.loader, "account_reads", None)
         if account is not None and asked:
             account(round(unreadable), round(asked))
@@ -494,6 +498,18 @@ class Trainer(TrainerOutputs):
         return StepStats(loss_sum, gnorm, lr, int(tokens / cp), int(n_samples / cp), flops / cp, skipped, stop > 0,
                          fwd_bwd_s=t1 - t0 - (wait - (t2 - t1)), optim_s=time.perf_counter() - t2, wait_s=wait,
                          rows=gathered)
+
+    def _stop_for_failed_saves(self) -> None:
+        """Some rank has seen ``train.max_failed_saves`` checkpoints in a row fail: every rank stops here (in the
+        step's collective, so at the same step), naming the newest checkpoint a restart would resume from."""
+        n, why = self.checkpointer.failed_in_row, self.checkpointer.last_error
+        newest = self.checkpointer.complete_steps()
+        self.metrics.event("checkpoints_failing", self.step, failed_in_row=n, reason=why or "on another rank")
+        raise UserError(f"{self.run_dir}: the last {self.cfg.train.max_failed_saves} checkpoints failed in a row "
+                        f"({'this rank: ' + why if why else 'on another rank'}); the run stops at step {self.step} "
+                        "rather than train on with nothing to resume from (train.max_failed_saves). Newest complete "
+                        f"checkpoint: {newest[-1].name if newest else 'none'}. Fix the storage, then rerun: it resumes "
+                        "from there")
 
     # --- the loop: its phases -----------------------------------------------------------------------
     def fit(self, on_step=None) -> dict:
@@ -603,7 +619,7 @@ class Trainer(TrainerOutputs):
         """Times and counters of a finished step: the time budget, stragglers, the collective timeout."""
         self.watchdog.mark_steady()          # a step has finished: from now on hang_seconds applies
         if self.step >= self.cfg.parallel.startup_steps and not self.timeout_tightened:
-            set_collective_timeout(self.env, self.cfg.parallel.timeout_minutes, [self.checkpointer.group])
+            set_collective_timeout(self.env, self.cfg.parallel.timeout_minutes)   # the checkpoint group keeps its own
             self.timeout_tightened = True
         self.train_seconds += fetched.data_s + fetched.step_s
         self.lead.step(fetched.data_s + fetched.step_s)
@@ -623,7 +639,11 @@ class Trainer(TrainerOutputs):
     def _checkpoint(self) -> None:
         every = self.cfg.train.checkpoint_every
         if every and self.step % every == 0 and self.step < self.total_steps:
-            self.save()
+            try:
+                self.save()
+            except SaveFailed as e:     # a blocking periodic save: counted as a background one's failure is
+                log.error("%s (%d in a row; the run stops at %d: train.max_failed_saves)", e,
+                          self.checkpointer.failed_in_row, self.cfg.train.max_failed_saves)
 
     def _finish(self, preempted: str | None, stats: StepStats | None, fetched: Fetched | None, t_start: float) -> dict:
         """The last checkpoint; on preemption the requeue marker, else the exported weights."""
