@@ -15,8 +15,15 @@ row reads as damaged, within ``data.max_error_rate``, whenever its step is read;
 checkpoint and resumes, whichever checkpoint it finds: the run's read-error totals come back with it; compared with
 the same job meeting the same bad row unkilled),
 ``rank0_seal_failure`` (rank 0 alone fails to seal a blocking save: every rank ends with the error, ``error_on_every_rank_s``
-after the fault, and torchrun restarts the job from the previous checkpoint) and ``blocking_save_kill`` (SIGKILL of
-rank 0 part way through a blocking save, ``train.async_checkpoint = false``: shards written, no marker).
+after the fault, and torchrun restarts the job from the previous checkpoint), ``blocking_save_kill`` (SIGKILL of
+rank 0 part way through a blocking save, ``train.async_checkpoint = false``: shards written, no marker),
+``double_only_kill`` (a kill in a job whose model has no single-stream blocks: its last double block has no text
+output weights, and the restart resumes it; compared with the same model unkilled), ``store_cp_read_error`` (the
+store-fed job at ``parallel.cp = 2``: both context-parallel peers meet the same damaged row, counted once
+(``data_errors_at_end`` = 1), then a kill after the next checkpoint; compared with the same cp = 2 job unkilled) and
+``validation_read_error`` (the store-fed job with a held-out validation source: one rank's share of the validation
+rows reads as damaged at one validation; every rank skips that validation (``validation_skipped_at``) and the job
+goes on without a restart or a hang; compared with the same job without the fault).
 
 Per fault: ``recovered`` (the job finished with no person involved), ``recovery_seconds`` (the fault ->
 the first step after the resume; for faults that need no restart, 0), ``steps_lost`` (steps run twice),
@@ -58,10 +65,11 @@ TINY = ["model.hidden=32", "model.heads=2", "model.double_blocks=1", "model.sing
         "train.threads=1", "train.schedule=constant", "health.hang_seconds=10", "health.straggler_every=0"]
 ALL = ("kill", "killsave", "corrupt", "truncate", "enospc", "enospc_partial", "nan", "hang", "sigterm",
        "agent_sigterm", "anytime", "nodekill", "nodestop", "store", "store_read_error_resume", "rank0_seal_failure",
-       "blocking_save_kill")
+       "blocking_save_kill", "double_only_kill", "store_cp_read_error", "validation_read_error")
+STORE_KINDS = ("store", "store_read_error_resume", "store_cp_read_error", "validation_read_error")
 BLOCKING = ("rank0_seal_failure", "blocking_save_kill")     # faults of the blocking save path (async_checkpoint off)
 RESTARTING = ("kill", "killsave", "corrupt", "truncate", "hang", "anytime", "store", "store_read_error_resume",
-              "rank0_seal_failure", "blocking_save_kill")
+              "rank0_seal_failure", "blocking_save_kill", "double_only_kill", "store_cp_read_error")
 DWELL_S = 0.05       # 'anytime': every phase lasts at least this long, so a poll of the board can land in it
 
 
@@ -364,12 +372,17 @@ def main() -> None:
                                                               f"train.checkpoint_every={args.every}",
                                                               "train.async_checkpoint=false"])))
 
-    def reference(name: str, skip: list[int] | None = None) -> dict:
+    double_cfg = root / "job-double-only.toml"
+    double_cfg.write_text(to_toml(load_config(None, TINY + [f"train.steps={args.steps}",
+                                                            f"train.checkpoint_every={args.every}",
+                                                            "model.double_blocks=2", "model.single_blocks=0"])))
+
+    def reference(name: str, skip: list[int] | None = None, config: Path | None = None) -> dict:
         run, samples = root / name, root / f"{name}.samples"
         if skip:
             run.mkdir(parents=True, exist_ok=True)
             (run / "skip_steps.json").write_text(json.dumps(skip))
-        rc, wall, err = torchrun(cfg, run, "", samples, restarts=0)
+        rc, wall, err = torchrun(config or cfg, run, "", samples, restarts=0)
         if rc != 0:
             raise SystemExit(f"reference run failed:\n{err}")
         rows = [m for m in read_metrics(run) if "loss" in m]
@@ -379,7 +392,7 @@ def main() -> None:
     ref = reference("reference")
     out = []
     node_kinds = [k for k in kinds if k in ("nodekill", "nodestop")]
-    for kind in [k for k in kinds if k not in node_kinds and not k.startswith("store")]:
+    for kind in [k for k in kinds if k not in node_kinds and k not in STORE_KINDS]:
         run, samples = root / kind, root / f"{kind}.samples"
         step = rng.randint(args.every + 2, args.steps - args.every)
         rank = rng.randint(0, 1)
@@ -390,7 +403,7 @@ def main() -> None:
                 "enospc": f"enospc@{saved}:{rank}", "enospc_partial": f"enospc_partial@{saved}:{rank}",
                 "nan": f"nan@{step}:{rank}", "hang": f"hang@{step}:{rank}", "sigterm": f"sigterm@{step}:{rank}",
                 "agent_sigterm": "", "anytime": "", "rank0_seal_failure": f"sealfail@{saved}:0",
-                "blocking_save_kill": f"killsave@{saved}:0"}[kind]
+                "blocking_save_kill": f"killsave@{saved}:0", "double_only_kill": f"kill@{step}:{rank}"}[kind]
         env, during, kills, sent, restarts = None, None, [], [], 3
         if kind == "anytime":
             board = root / "anytime.board"
@@ -398,8 +411,8 @@ def main() -> None:
             during, restarts = anytime_killer(board, rng, kills), 10
         if kind == "agent_sigterm":
             during = agent_signaller(samples, sent, step)
-        rc, wall, err = torchrun(blocking_cfg if kind in BLOCKING else cfg, run, spec, samples, restarts, env,
-                                 during)
+        job = blocking_cfg if kind in BLOCKING else double_cfg if kind == "double_only_kill" else cfg
+        rc, wall, err = torchrun(job, run, spec, samples, restarts, env, during)
         requeue_at = None
         if kind in ("sigterm", "agent_sigterm") and (run / "requeue.json").is_file():
             requeue_at = time.time()         # the launcher's part: the marker says requeue, whatever rc says
@@ -407,6 +420,8 @@ def main() -> None:
             rc, wall2, err = torchrun(cfg, run, spec, samples)
             wall += wall2
         want = ref
+        if kind == "double_only_kill":
+            want = reference("double-only-reference", config=double_cfg)
         if kind == "nan":
             skipped = [e["step"] for e in read_events(run) if e["kind"] == "skip"]
             want = reference("nan-reference", skipped)
@@ -439,32 +454,56 @@ def main() -> None:
         print(json.dumps({k: row[k] for k in ("kind", "spec", "recovered", "recovery_seconds", "steps_lost",
                                                  "final_state_identical")}), file=sys.stderr, flush=True)
     out += node_loss_rows(root, node_kinds, args.seed)
-    store_kinds = [k for k in kinds if k in ("store", "store_read_error_resume")]
+    store_kinds = [k for k in kinds if k in STORE_KINDS]
     scfg = store_config(root, args.steps, args.every) if store_kinds else None
+    variants = {}
+    if scfg is not None:      # the same store and job, at cp = 2, and with a held-out validation source
+        variants["cp2"] = root / "store-job-cp2.toml"
+        variants["cp2"].write_text(to_toml(load_config(scfg, ["parallel.cp=2", "parallel.dp_shard=1"])))
+        variants["val"] = root / "store-job-val.toml"
+        variants["val"].write_text(to_toml(load_config(scfg, [
+            "validation.source=shapes_t2i_shards", f"validation.every={args.every}", "validation.n=6",
+            "validation.timesteps=2"])))
 
-    def store_reference(name: str, faults: str) -> dict:
+    def store_reference(name: str, faults: str, config: Path | None = None) -> dict:
         run, samples = root / name, root / f"{name}.samples"
-        rc, _, err = torchrun(scfg, run, faults, samples, restarts=0)
+        rc, _, err = torchrun(config or scfg, run, faults, samples, restarts=0)
         if rc != 0:
             raise SystemExit(f"{name} run failed:\n{err}")
         return {"files": final_files(run, args.steps), "stream": stream(samples)[0]}
 
     for kind in store_kinds:
         step, rank = rng.randint(args.every + 2, args.steps - args.every), rng.randint(0, 1)
+        job = scfg
         if kind == "store":   # a store-fed job: the store loader's state is in the checkpoint; a rank is killed
             sref, spec, label = store_reference("store-reference", ""), f"kill@{step}:{rank}", " (store-fed)"
+        elif kind == "validation_read_error":     # one rank's validation rows damaged once: skipped on every rank
+            job, at = variants["val"], 2 * args.every
+            sref = store_reference("store-validation-reference", "", job)
+            spec, label = f"valunreadable@{at}:{rank}", " (store-fed, validation every checkpoint interval)"
         else:                 # a bad row (damaged for good), then a kill: the read-error totals resume whole
             bad = args.every + 2
-            bad_spec = f"unreadable@{bad}:{rank}"
-            sref = store_reference("store-unreadable-reference", bad_spec)
+            who = "*" if kind == "store_cp_read_error" else rank      # cp peers read the same rows
+            bad_spec = f"unreadable@{bad}:{who}"
+            job = variants["cp2"] if kind == "store_cp_read_error" else scfg
+            sref = store_reference(f"{kind}-reference", bad_spec, job)
             kill = (bad // args.every + 1) * args.every + 2
             spec, label = f"{bad_spec},kill@{kill}:{1 - rank}", " (store-fed, the row unreadable in both runs)"
+            if kind == "store_cp_read_error":
+                label = " (store-fed at cp = 2, the row unreadable on both peers in both runs)"
         run, samples = root / kind, root / f"{kind}.samples"
-        rc, wall, err = torchrun(scfg, run, spec, samples)
+        rc, wall, err = torchrun(job, run, spec, samples)
         row = analyse(kind, run, samples, wall, rc, sref, args.steps)
         row["spec"] = spec + label
-        if kind == "store_read_error_resume":
+        if kind in ("store_read_error_resume", "store_cp_read_error"):
             row["data_errors_at_end"] = max((m.get("data_errors", 0) for m in read_metrics(run)), default=None)
+        if kind == "store_cp_read_error":         # one damaged row, counted once whatever cp is
+            row["recovered"] = row["recovered"] and row["data_errors_at_end"] == 1
+        if kind == "validation_read_error":
+            events = read_events(run)
+            row["validation_skipped_at"] = [e["step"] for e in events if e["kind"] == "validation_skipped"]
+            row["recovery_seconds"] = 0.0
+            row["recovered"] = row["recovered"] and row["validation_skipped_at"] == [at] and row["restarts"] == 0
         if rc != 0:
             row["stderr_tail"] = err[-800:]
         out.append(row)
@@ -483,7 +522,7 @@ def main() -> None:
     keys = ("kind", "spec", "recovered", "recovery_seconds", "steps_lost", "final_state_identical", "stream_identical",
             "restarts", "wall_seconds", "kills", "phases_hit", "agent_exit_code", "detect_s", "rendezvous_s",
             "resume_s", "rejoin_s", "worlds", "final_state_max_abs_diff", "final_state_within_1e-6",
-            "error_on_every_rank_s", "data_errors_at_end", "stderr_tail")
+            "error_on_every_rank_s", "data_errors_at_end", "validation_skipped_at", "stderr_tail")
     print(json.dumps({
         "faults": [{k: r[k] for k in keys if k in r} for r in out],
         "fault_kinds": len(out),
