@@ -48,6 +48,16 @@ def sign_in(client, name: str, password: str = PASSWORD):
     return client.post("/login", data={"name": name, "password": password, "csrf": token}, follow_redirects=False)
 
 
+def rate_page(client) -> str:
+    """The rate page as a browser ends on it: GET / shows the item the rater holds; without one it is a form that
+    takes the next (its script posts it at once), then GET / again (or /done)."""
+    r = client.get("/")
+    if 'id="take"' in r.text:
+        csrf = re.search(r'name="csrf" value="([^"]+)"', r.text).group(1)
+        r = client.post("/next", data={"csrf": csrf})
+    return r.text
+
+
 def page_state(html: str) -> dict:
     """What the rate page carries: the CSRF token, the assignment, the candidates' handles and image urls."""
     get = lambda pat: (m.group(1) if (m := re.search(pat, html)) else None)  # noqa: E731

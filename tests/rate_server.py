@@ -19,8 +19,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, db: str, workers: int = 2, port: int | None = None, batches: str | None = None):
+    def __init__(self, db: str, workers: int = 2, port: int | None = None, batches: str | None = None,
+                 extra: list[str] | None = None):
         self.db, self.workers, self.port, self.batches = db, workers, port or free_port(), batches
+        self.extra = list(extra or [])
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -29,7 +31,7 @@ class Server:
 
     def start(self, timeout: float = 60) -> "Server":
         cmd = [sys.executable, "-m", "difftrain_rate", "serve", "--db", self.db, "--port", str(self.port),
-               "--workers", str(self.workers)] + (["--batches", self.batches] if self.batches else [])
+               "--workers", str(self.workers)] + (["--batches", self.batches] if self.batches else []) + self.extra
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.time() + timeout

@@ -17,7 +17,8 @@ from difftrain_rate.batches import import_batch
 from difftrain_rate.db import Answer, Assignment, Database, Item, upgrade
 from difftrain_rate.errors import RateError
 
-from rate_helpers import PASSWORD, add_users, candidates_folder, database_url, page_state, post_answer, sign_in
+from rate_helpers import (PASSWORD, add_users, candidates_folder, database_url, page_state, post_answer, rate_page,
+                          sign_in)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -45,7 +46,7 @@ def test_sqlite_is_migrated_by_alembic_with_wal_and_full_sync(tmp_path):
     url = str(tmp_path / "rate.db")
     upgrade(url)
     db = Database(url)
-    assert current_revision(db.engine) == head_revision() == "0004"
+    assert current_revision(db.engine) == head_revision() == "0005"
     with db.engine.connect() as c:
         assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert c.exec_driver_sql("PRAGMA synchronous").scalar() == 2           # FULL
@@ -64,9 +65,12 @@ def test_rate_answer_retry_undo_and_progress(rate):
     db, url, tmp = rate
     import_batch(db, "b1", [str(candidates_folder(tmp / "c"))], raters=2)
     c = client(url, "alice")
-    page = c.get("/")
-    assert page.status_code == 200 and "a red circle" in page.text
-    st = page_state(page.text)
+    assert 'id="take"' in c.get("/").text and c.get("/api/next").json()["item"] is None    # a GET takes nothing
+    with db.read() as s:
+        assert s.scalar(select(Assignment)) is None
+    page = rate_page(c)
+    assert "a red circle" in page
+    st = page_state(page)
     assert len(st["handles"]) == 3 and len(st["images"]) == 3
     img = c.get(st["images"][0])
     assert img.status_code == 200 and img.headers["content-type"] == "image/png"
@@ -77,8 +81,9 @@ def test_rate_answer_retry_undo_and_progress(rate):
     assert again.status_code == 200 and again.json() == {"answer": r.json()["answer"], "repeat": True}
     with db.read() as s:
         assert len(s.scalars(select(Answer)).all()) == 1                            # counted once
-    nxt = c.get("/api/next").json()
+    nxt = c.post("/api/next", headers={"X-CSRF-Token": st["csrf"]}).json()
     assert nxt["assignment"] != int(st["assignment"]) and nxt["progress"] == [1, 4]
+    assert c.post("/api/next").status_code == 403                                 # a cookie's post needs its CSRF
     # Undo: the last answer is gone and its item is served again.
     assert c.post("/api/undo", headers={"X-CSRF-Token": st["csrf"]}).json()["undone"]
     with db.read() as s:
@@ -95,6 +100,7 @@ def test_each_item_gets_r_distinct_raters_enforced_by_the_database(rate):
     for name in ("alice", "bob", "carol"):
         c = client(url, name)
         for n in range(10):
+            page_state(rate_page(c))
             it = c.get("/api/next").json()
             if it["item"] is None:
                 break
@@ -117,7 +123,7 @@ def test_pages_images_and_api_need_a_session_or_token(rate):
     db, url, tmp = rate
     import_batch(db, "b1", [str(candidates_folder(tmp / "c"))], raters=2)
     alice = client(url, "alice")
-    st = page_state(alice.get("/").text)
+    st = page_state(rate_page(alice))
     anon = client(url)
     for path in ("/", "/admin", "/admin/answers.csv"):
         r = anon.get(path, follow_redirects=False)
@@ -137,7 +143,7 @@ def test_pages_images_and_api_need_a_session_or_token(rate):
 
     token = new_token(db, "bob")
     bot = TestClient(create_app(url))
-    it = bot.get("/api/next", headers={"Authorization": f"Bearer {token}"}).json()
+    it = bot.post("/api/next", headers={"Authorization": f"Bearer {token}"}).json()
     r = bot.post("/api/answer", headers={"Authorization": f"Bearer {token}"},
                  json={"assignment": it["assignment"], "key": "bot-1",
                        "order": [x["handle"] for x in it["candidates"]], "outcome": "ranked", "extra": {}})
@@ -152,7 +158,7 @@ def test_csrf_other_raters_traversal_injection_and_script(rate):
     import_batch(db, "b1", [str(candidates_folder(tmp / "c", prompt="<script>alert(1)</script>' OR 1=1; -- {p}"))],
                  raters=1)                  # one rater an item: bob's item is not alice's
     alice, bob = client(url, "alice"), client(url, "bob")
-    page = alice.get("/").text
+    page = rate_page(alice)
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     st = page_state(page)
     # CSRF missing or wrong.
@@ -160,7 +166,7 @@ def test_csrf_other_raters_traversal_injection_and_script(rate):
     assert post_answer(alice, "wrong", st["assignment"], st["handles"], "x2").status_code == 403
     assert alice.post("/logout", data={"csrf": "wrong"}).status_code == 403
     # Another rater's assignment and images.
-    bst = page_state(bob.get("/").text)
+    bst = page_state(rate_page(bob))
     assert post_answer(alice, st["csrf"], bst["assignment"], bst["handles"], "x3").status_code == 409
     assert alice.get(bst["images"][0]).status_code == 404
     # Path traversal and odd ids: never a file outside the batch.
@@ -208,7 +214,7 @@ def test_gold_items_look_like_any_other_and_score_raters(rate):
     c = client(url, "alice")
     pages = []
     while True:
-        html = c.get("/").text
+        html = rate_page(c)
         st = page_state(html)
         if st["assignment"] is None:
             break
@@ -263,7 +269,7 @@ def test_session_cookie_flags_secure_behind_tls_and_sign_out_ends_the_session(ra
     # Sign out: the old cookie no longer opens anything, even replayed.
     c = client(url, "carol")
     token = c.cookies.get("dr_session")
-    csrf = page_state(c.get("/").text)["csrf"]
+    csrf = page_state(rate_page(c))["csrf"]
     assert c.post("/logout", data={"csrf": csrf}, follow_redirects=False).status_code == 303
     replay = client(url)
     replay.cookies.set("dr_session", token)

@@ -26,7 +26,7 @@ from difftrain_rate.db import Answer, Assignment, Image, Item, LoginFailure, Use
 from difftrain_rate.errors import RateError
 from difftrain_rate.export import write_answers
 
-from rate_helpers import PASSWORD, add_users, candidates_folder, page_state, post_answer, sign_in
+from rate_helpers import PASSWORD, add_users, candidates_folder, page_state, post_answer, rate_page, sign_in
 from test_rate_app import client, rate  # noqa: F401 - the fixture: a migrated database of each kind, four users
 
 SECURITY = ("content-security-policy", "x-content-type-options", "x-frame-options", "referrer-policy")
@@ -115,7 +115,7 @@ def test_images_are_decoded_at_import_and_served_only_from_the_batch(rate):
     folder = candidates_folder(tmp / "d", prompts=1, k=2)
     import_batch(db, "b1", [str(folder)], raters=1)
     c = client(url, "alice")
-    st = page_state(c.get("/").text)
+    st = page_state(rate_page(c))
     with db.write() as s:
         img = s.get(Image, st["images"][0].rsplit("/", 1)[1])
         img.path = str(tmp / "rate.db") if url.endswith("rate.db") else "/etc/passwd"
@@ -151,7 +151,7 @@ def test_csv_cells_never_start_a_formula(rate):
         import_batch(db, f"b{n}", [str(candidates_folder(tmp / f"c{n}", prompts=1, k=2, prompt=prompt))], raters=1)
     c = client(url, "alice")
     for n in range(len(evil)):
-        st = page_state(c.get("/").text)
+        st = page_state(rate_page(c))
         assert post_answer(c, st["csrf"], st["assignment"], st["handles"], f"k{n}").status_code == 200
     admin = client(url, "root")
     out = tmp / "answers.csv"
@@ -219,7 +219,7 @@ def test_no_input_gets_a_500_and_every_error_carries_the_headers(rate):
     import_batch(db, "b1", [str(candidates_folder(tmp / "c", prompts=2, k=2))], raters=2)
     c = app_client(url)
     assert sign_in(c, "alice").status_code == 303
-    st = page_state(c.get("/").text)
+    st = page_state(rate_page(c))
     for body in HOSTILE_ANSWERS:
         r = c.post("/api/answer", content=body, headers={"X-CSRF-Token": st["csrf"],
                                                          "Content-Type": "application/json"})
@@ -232,6 +232,7 @@ def test_no_input_gets_a_500_and_every_error_carries_the_headers(rate):
                            ("é" * 30, "ü"), ("", "")):
         r = evil.post("/login", data={"name": name, "password": password, "csrf": token})
         assert r.status_code in (400, 401, 429), (name[:20], r.status_code)
+        token = r.text.split('name="csrf" value="')[1].split('"')[0]       # the page's form, for the next try
     for body, ctype in ((b"name=%00&password=%FF%FE&csrf=" + token.encode(), "application/x-www-form-urlencoded"),
                         (b"--x\r\nContent-Disposition: form-data; name=\"name\"\r\n\r\nalice\r\n--x--\r\n",
                          "multipart/form-data; boundary=x"),
@@ -248,6 +249,7 @@ def test_no_input_gets_a_500_and_every_error_carries_the_headers(rate):
     # A 500 (here: a table gone under the app) carries the headers too, and says nothing of the cause.
     with db.write() as s:
         s.execute(text("DROP TABLE known_sign_ins"))
+    token = evil.get("/login").text.split('name="csrf" value="')[1].split('"')[0]
     r = evil.post("/login", data={"name": "bob", "password": PASSWORD, "csrf": token})
     assert r.status_code == 500 and all(h in r.headers for h in SECURITY) and "known_sign_ins" not in r.text
 
@@ -257,9 +259,9 @@ def test_an_idempotency_key_answers_only_for_its_own_assignment(rate):
     db, url, tmp = rate
     import_batch(db, "b1", [str(candidates_folder(tmp / "c", prompts=3, k=2))], raters=1)
     c = client(url, "alice")
-    first = page_state(c.get("/").text)
+    first = page_state(rate_page(c))
     assert post_answer(c, first["csrf"], first["assignment"], first["handles"], "same-key").status_code == 200
-    second = page_state(c.get("/").text)
+    second = page_state(rate_page(c))
     r = post_answer(c, second["csrf"], second["assignment"], second["handles"], "same-key")
     assert r.status_code == 409 and "was used for another answer" in r.json()["error"]
     with db.read() as s:
@@ -270,7 +272,7 @@ def test_an_idempotency_key_answers_only_for_its_own_assignment(rate):
     assert again.status_code == 200 and again.json()["repeat"] is True          # a true retry is still a repeat
     # Another rater's use of a key is a conflict, not a repeat.
     b = client(url, "bob")
-    st = page_state(b.get("/").text)
+    st = page_state(rate_page(b))
     assert post_answer(b, st["csrf"], st["assignment"], st["handles"], "same-key").status_code == 409
 
 
@@ -279,7 +281,7 @@ def test_an_expired_assignment_is_refused_and_released(rate):
     import_batch(db, "b1", [str(candidates_folder(tmp / "c", prompts=1, k=2))], raters=1)
     c = app_client(url, assignment_ttl_s=1)
     assert sign_in(c, "alice").status_code == 303
-    st = page_state(c.get("/").text)
+    st = page_state(rate_page(c))
     time.sleep(1.3)
     r = post_answer(c, st["csrf"], st["assignment"], st["handles"], "late")
     assert r.status_code == 409 and "expired" in r.json()["error"]
@@ -287,7 +289,7 @@ def test_an_expired_assignment_is_refused_and_released(rate):
         assert s.get(Assignment, int(st["assignment"])) is None and s.scalars(select(Answer)).all() == []
     b = app_client(url, assignment_ttl_s=1)          # released: another rater gets the item
     assert sign_in(b, "bob").status_code == 303
-    bst = page_state(b.get("/").text)
+    bst = page_state(rate_page(b))
     assert bst["assignment"] is not None
     assert post_answer(b, bst["csrf"], bst["assignment"], bst["handles"], "in-time").status_code == 200
     for bad in (0, -5, 10 ** 9, "abc"):
@@ -360,7 +362,7 @@ def test_failures_back_off_without_locking_out_a_user_who_knows_the_password(rat
 # ---- skipped and flagged slots reopen ----------------------------------------------------------------------------
 def _answer_next(url, name, outcome="ranked", gold_against=False, db=None):
     c = client(url, name)
-    st = page_state(c.get("/").text)
+    st = page_state(rate_page(c))
     if st["assignment"] is None:
         return None
     order = st["handles"] if outcome == "ranked" else []

@@ -20,12 +20,13 @@ from difftrain_rate.auth import new_token
 from difftrain_rate.batches import import_batch
 from difftrain_rate.db import Answer, Assignment, RatingBatch
 
-from rate_helpers import candidates_folder, page_state, sign_in
+from rate_helpers import candidates_folder, page_state, rate_page, sign_in
 from test_rate_app import rate  # noqa: F401 - the fixture: a migrated database of each kind, four users
 
 pytestmark = pytest.mark.slow
 
 ROUTES = [("GET", "/login"), ("POST", "/login"), ("POST", "/logout"), ("GET", "/"), ("GET", "/api/next"),
+          ("POST", "/api/next"), ("POST", "/next"), ("GET", "/done"),
           ("POST", "/api/answer"), ("POST", "/api/undo"), ("GET", "/img/{}"), ("GET", "/admin"),
           ("GET", "/api/admin"), ("GET", "/admin/answers.csv"), ("POST", "/admin/unlock"), ("GET", "/static/{}")]
 SECURITY = ("content-security-policy", "x-content-type-options", "x-frame-options", "referrer-policy")
@@ -58,7 +59,7 @@ def test_every_route_answers_any_input_with_a_4xx_at_worst(rate):
         c = TestClient(app, raise_server_exceptions=False)
         assert sign_in(c, name).status_code == 303
         clients[who] = c
-    csrf = {who: page_state(c.get("/").text)["csrf"] for who, c in clients.items() if who != "nobody"}
+    csrf = {who: page_state(rate_page(c))["csrf"] for who, c in clients.items() if who != "nobody"}
     token = new_token(db, "bob")
     clients["token"] = TestClient(app, raise_server_exceptions=False, headers={"Authorization": f"Bearer {token}"})
     login_token = re.search(r'name="csrf" value="([^"]+)"', clients["nobody"].get("/login").text).group(1)

@@ -194,3 +194,55 @@ def test_serve_bounds_bodies_ignores_forwarded_for_and_dies_with_its_pid(tmp_pat
             again.stop()
     finally:
         server.kill()
+
+
+def _head(port: int, pieces: list[bytes], gap: float) -> tuple[bytes, float]:
+    """Send a request's head in ``pieces``, ``gap`` seconds apart (stopping once the server answers or closes);
+    (what the server sent back, seconds from the first byte to its answer or close)."""
+    import select
+    import socket
+    import time
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    t0, got = time.monotonic(), b""
+    try:
+        for piece in pieces:
+            if select.select([s], [], [], gap)[0]:
+                break
+            try:
+                s.sendall(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        while select.select([s], [], [], 30)[0]:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        return got, time.monotonic() - t0
+    except ConnectionResetError:
+        return got, time.monotonic() - t0
+    finally:
+        s.close()
+
+
+def test_serve_times_out_a_request_head_sent_slowly(tmp_path):
+    """``serve --header-timeout 1``: a head trickled a byte at a time (each gap under any idle timeout), or a
+    connection that sends nothing, gets 408 and is closed at the deadline; a request sent in time is served."""
+    import httpx
+
+    url = str(tmp_path / "rate.db")
+    upgrade(url)
+    server = Server(url, workers=1, extra=["--header-timeout", "1"]).start()
+    try:
+        head = b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 40 + b"\r\n\r\n"
+        got, took = _head(server.port, [head[i:i + 1] for i in range(len(head))], 0.1)     # ~6 s if not cut
+        assert got.startswith(b"HTTP/1.1 408") and 0.8 < took < 3, (got[:100], took)
+        got, took = _head(server.port, [], 0)                                               # nothing at all
+        assert got.startswith(b"HTTP/1.1 408") and took < 3, (got[:100], took)
+        with httpx.Client(base_url=server.url) as c:                   # keep-alive: two requests, one connection
+            assert c.get("/login").status_code == 200
+            import time
+            time.sleep(1.5)
+            assert c.get("/login").status_code == 200
+    finally:
+        server.stop()

@@ -1,31 +1,39 @@
 """The rating web app (FastAPI): server-rendered pages, a little JavaScript (``static/rate.js``), no build step.
 
-Pages: ``/login``, ``/`` (the next item: pairwise or ranking), ``/admin`` (admins). API (a session cookie with
-its CSRF token, or an API token): ``GET /api/next``, ``POST /api/answer``, ``POST /api/undo``, ``GET
-/api/admin``. Images: ``/img/{id}``, an opaque id, served only to a rater who holds an assignment showing it (or an
-admin), from the batch's imported files only. Every page, image and API call needs a session or a token; every
+Pages: ``/login``, ``/`` (the rater's item: pairwise or ranking), ``/admin`` (admins). API (a session cookie
+with its CSRF token, or an API token): ``POST /api/next`` (takes the next item), ``GET /api/next`` (the item the
+rater holds; it changes nothing), ``POST /api/answer``, ``POST /api/undo``, ``GET /api/admin``. No GET changes
+anything: the page shows the item the rater holds, and its script (or the form it carries) posts to take the next.
+Images: ``/img/{id}``, an opaque id, served only to a rater who holds an assignment showing it (or an admin), from
+the batch's imported files only, and only while each is the file imported (its inode and size). Every page, image and API call needs a session or a token; every
 post needs the session's CSRF token; responses carry a strict Content-Security-Policy (scripts and images from
-this site only, no inline script) and no framing.
+this site only, no inline script) and no framing. A database that cannot answer (unreachable, a statement past its
+timeout, the pool exhausted, a transaction still a deadlock victim after its retries) gives 503 with Retry-After,
+never a 500.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
+import stat
 from pathlib import Path
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy import select
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from difftrain_rate import assign, auth, inputs
-from difftrain_rate.db import Database, Image, RatingBatch
+from difftrain_rate.db import Database, Image, RatingBatch, Unavailable
+from difftrain_rate.db import unavailable as db_unavailable
 from difftrain_rate.errors import RateError
 from difftrain_rate.guard import BODY_KEY, MAX_BODY, RateApp  # noqa: F401 - MAX_BODY: the limit, for callers
 from difftrain_rate.lanes import ANSWERS, PAGES, RouteThread
@@ -34,8 +42,16 @@ from difftrain_rate.report import admin_figures
 HERE = Path(__file__).parent
 COOKIE = "dr_session"
 LOGIN_COOKIE = "dr_login"
+# Behind TLS the sign-in cookie is __Host-: a browser takes it only from this host over https, never from a sibling
+# domain or a plain-http answer, so no one else can plant it.
+SECURE_LOGIN_COOKIE = "__Host-dr_login"
 IMAGE_ID = re.compile(r"^[A-Za-z0-9_-]{16,32}$")
 SIGN_IN_THREADS = 2
+# Database connections a process needs: its one route thread, its sign-in threads, one spare (``serve`` checks
+# that workers x this fits the server's max_connections).
+POOL_SIZE = 1 + SIGN_IN_THREADS + 1
+POOL_OVERFLOW = 2
+RETRY_AFTER_S = 2
 
 
 def assignment_ttl(value) -> float:
@@ -63,7 +79,7 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         secure_cookies = os.environ.get("DIFFTRAIN_RATE_SECURE", "") == "1"
     ttl = assignment_ttl(assignment_ttl_s if assignment_ttl_s is not None else
                          os.environ.get("DIFFTRAIN_RATE_ASSIGNMENT_TTL", assign.ASSIGNMENT_TTL))
-    db = Database(url)
+    db = Database(url, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW)
     db.check()
     templates = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
     # redirect_slashes off: Starlette's redirect from "/path/" builds its target from the Host header
@@ -95,6 +111,20 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
     def data_error(request: Request, e: DataError):
         # A value the database refuses (a driver's range or encoding check): the request's fault, said plainly.
         return JSONResponse({"error": "a value in the request is out of range for the database"}, status_code=400)
+
+    @app.exception_handler(Unavailable)
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    @app.exception_handler(PoolTimeout)
+    def database_error(request: Request, e: Exception):
+        # The database down, slow past its timeouts, or every connection busy: 503, and the client may send the
+        # same request again (an answer with the same idempotency key counts once). Anything else (a table gone) is
+        # the server's fault: 500, logged, its cause not told.
+        if db_unavailable(e):
+            return JSONResponse({"error": "the database is unavailable or busy: try again in a moment"},
+                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        logging.getLogger("difftrain_rate").error("%s %s", request.method, request.url.path, exc_info=e)
+        return JSONResponse({"error": "internal server error"}, status_code=500)
 
     @app.exception_handler(HTTPException)
     def http_error(request: Request, e: HTTPException):
@@ -136,13 +166,23 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return form, None
 
     # ---- sign in / out ------------------------------------------------------------------------------------
+    def login_cookie(request: Request) -> str:
+        return SECURE_LOGIN_COOKIE if secure(request) else LOGIN_COOKIE
+
+    def login_form(request: Request, status: int = 200, error: str | None = None,
+                   token: str | None = None) -> HTMLResponse:
+        """The sign-in page with a token minted here, in its form and its cookie: a cookie the browser brought (one
+        an attacker may have planted) is never adopted by the page. ``token``: the one this sign-in was just
+        checked against (a wrong password: the form is good for another try)."""
+        token = token or auth.secrets.token_urlsafe(24)
+        r = page("login.html", status, csrf=token, error=error)
+        r.set_cookie(login_cookie(request), token, httponly=True, samesite="strict", secure=secure(request))
+        return r
+
     @app.get("/login")
     @on_route_thread(PAGES)
     def login_page(request: Request):
-        token = request.cookies.get(LOGIN_COOKIE) or auth.secrets.token_urlsafe(24)
-        r = page("login.html", csrf=token, error=None)
-        r.set_cookie(LOGIN_COOKIE, token, httponly=True, samesite="strict", secure=secure(request))
-        return r
+        return login_form(request)
 
     @app.post("/login")
     async def login(request: Request):
@@ -151,28 +191,32 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return await anyio.to_thread.run_sync(sign_in, request, limiter=sign_in_threads)
 
     def sign_in(request: Request):
-        cookie = request.cookies.get(LOGIN_COOKIE, "")
+        cookie = request.cookies.get(login_cookie(request), "")
         try:
             form = inputs.form(body(request), request.headers.get("content-type"),
                                {"csrf": 64, "name": 64, "password": 1024})
         except inputs.BadInput as e:
-            return page("login.html", e.status, csrf=cookie, error=f"The form could not be read: {e}.")
-        if not cookie or not auth.hmac.compare_digest(form["csrf"].encode(), cookie.encode()):
-            return page("login.html", 403, csrf=cookie, error="The form expired: reload the page and sign in again.")
+            return login_form(request, e.status, f"The form could not be read: {e}.")
+        # Login CSRF: a sign-in posted from another site (a planted cookie and a form elsewhere would sign the
+        # victim in as the attacker) is refused on the browser's own word of where the form came from.
+        if auth.cross_site(request.headers, request.url.netloc):
+            return login_form(request, 403, "Sign in from this site's own page.")
+        if not cookie or not auth.same_token(form["csrf"], cookie):
+            return login_form(request, 403, "The form expired: reload the page and sign in again.")
         address = request.client.host if request.client else "?"
         try:
             got = auth.login(db, form["name"], form["password"], address)
         except auth.TooManyAttempts as e:
-            r = page("login.html", 429, csrf=cookie, error=f"Too many failed sign-ins: try again in {e.retry_after} s.")
+            r = login_form(request, 429, f"Too many failed sign-ins: try again in {e.retry_after} s.", cookie)
             r.headers["Retry-After"] = str(e.retry_after)
             return r
         if got is None:
-            return page("login.html", 401, csrf=cookie, error="Wrong name or password.")
+            return login_form(request, 401, "Wrong name or password.", cookie)
         token, _ = got
         r = RedirectResponse("/", status_code=303)
         r.set_cookie(COOKIE, token, httponly=True, samesite="lax", secure=secure(request),
                      max_age=auth.SESSION_SECONDS)
-        r.delete_cookie(LOGIN_COOKIE)
+        r.delete_cookie(login_cookie(request), secure=secure(request), httponly=True, samesite="strict")
         return r
 
     @app.post("/logout")
@@ -200,21 +244,53 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
     @app.get("/")
     @on_route_thread(PAGES)
     def rate_page(request: Request):
+        """The item the rater holds; without one, a page whose form (posted by its script at once) takes the next."""
         p, refused = gate(request, api=False)
+        if refused:
+            return refused
+        served = assign.held(db, p.user.id, ttl=ttl)
+        if served is None:
+            return page("take.html", user=p.user, csrf=p.csrf)
+        return page("rate.html", user=p.user, csrf=p.csrf, it=item_json(served))
+
+    @app.get("/done")
+    @on_route_thread(PAGES)
+    def done_page(request: Request):
+        p, refused = gate(request, api=False)
+        if refused:
+            return refused
+        return page("done.html", user=p.user, csrf=p.csrf)
+
+    @app.post("/next")
+    @on_route_thread(PAGES)
+    def take_page(request: Request):
+        """The page's form: take the next item, then show it (303 to /), or /done when there is none."""
+        p, refused = gate(request, api=False)
+        if refused:
+            return refused
+        _, refused = posted_form(request, p, {})
         if refused:
             return refused
         try:
             served = assign.next_item(db, p.user.id, ttl=ttl)
         except assign.Conflict as e:
             return Response(f"{e}; reload in a moment", status_code=503, headers={"Retry-After": "1"})
-        if served is None:
-            return page("done.html", user=p.user, csrf=p.csrf)
-        return page("rate.html", user=p.user, csrf=p.csrf, it=item_json(served))
+        return RedirectResponse("/" if served is not None else "/done", status_code=303)
 
     @app.get("/api/next")
     @on_route_thread(PAGES)
-    def api_next(request: Request):
+    def api_held(request: Request):
+        """The item the rater holds ({"item": null} without one): a GET takes nothing; POST takes the next."""
         p, refused = gate(request, api=True)
+        if refused:
+            return refused
+        served = assign.held(db, p.user.id, ttl=ttl)
+        return JSONResponse({"item": None, "take": "POST /api/next"} if served is None else item_json(served))
+
+    @app.post("/api/next")
+    @on_route_thread(PAGES)
+    def api_next(request: Request):
+        p, refused = gate(request, api=True, write=True)
         if refused:
             return refused
         try:
@@ -264,10 +340,11 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         # Checked again where it is served: a row imported by an older version, or a folder changed since.
         if not any(path.is_relative_to(Path(f).resolve()) for f in folders):
             return Response("no such image", status_code=404)
-        if not path.is_file():
-            return Response("the image's file is missing (was the candidates folder moved?)", status_code=410)
-        return FileResponse(path, media_type="image/png",
-                            headers={"Cache-Control": "private, max-age=86400, immutable"})
+        data = _read_imported(path, img)
+        if data is None:
+            return Response("the image's file is missing or changed since its import (re-import the batch)",
+                            status_code=410)
+        return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=86400, immutable"})
 
     # ---- admin --------------------------------------------------------------------------------------------
     @app.get("/admin")
@@ -313,6 +390,24 @@ def create_app(db_url: str | None = None, secure_cookies: bool | None = None,
         return RedirectResponse("/admin", status_code=303)
 
     return app
+
+
+def _read_imported(path: Path, img: Image) -> bytes | None:
+    """The file's bytes if it is still the file imported: a regular file (not a link, not a FIFO) with the inode
+    and size recorded at import, checked on the open descriptor (no swap between the check and the read); else
+    None."""
+    if img.inode is None or img.size is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != img.inode or st.st_size != img.size:
+            return None
+        data = f.read(img.size + 1)
+    return data if len(data) == img.size else None
 
 
 def _shown_to(s, img: Image, rater: int) -> bool:

@@ -16,6 +16,16 @@ rater's flag settles its items again).
 retried post count once: the same key for the same (rater, assignment) returns the first outcome, the same key
 for anything else is a 409 (never a silent "repeat" of another answer). ``undo``: the rater's last answer,
 within ``UNDO_SECONDS``, is deleted and its item served again.
+
+**Lock order** (PostgreSQL; SQLite's writers are serial): a transaction locks the rater's own assignment rows, then
+the rater's user row, then item rows, several of them in item id order (``_update_flag`` sorts them). An item row is
+locked ``FOR NO KEY UPDATE``, never ``FOR UPDATE``: inserting an answer or an assignment takes ``FOR KEY SHARE`` on
+the item it names (the foreign key), which ``FOR UPDATE`` waits on. Two answers to one item, each holding the key
+share of its insert and each asking ``FOR UPDATE``, were a deadlock; ``FOR NO KEY UPDATE`` does not wait on a key
+share, so the second waits for the first to commit, then reads its answer. Other servers' stale assignments are
+released in id order, skipping rows another transaction holds. Each of ``next_item``, ``answer`` and ``undo`` is run
+again from its start when the database still aborts it as a deadlock victim or a serialization failure
+(``db.retried``): a client never sees one.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from dataclasses import dataclass
 from sqlalchemy import and_, delete, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from difftrain_rate.db import SLOTS_PER_R, Answer, Assignment, Database, Item, RatingBatch, User, now
+from difftrain_rate.db import SLOTS_PER_R, Answer, Assignment, Database, Item, RatingBatch, User, now, retried
 from difftrain_rate.report import rater_flagged
 
 ASSIGNMENT_TTL = 30 * 60
@@ -63,7 +73,9 @@ def _release_stale(s, ttl: float) -> None:
     if t - _last_release[0] < min(5.0, ttl):
         return
     _last_release[0] = t
-    s.execute(delete(Assignment).where(Assignment.answered.is_(False), Assignment.created_at < t - ttl))
+    stale = (select(Assignment.id).where(Assignment.answered.is_(False), Assignment.created_at < t - ttl)
+             .order_by(Assignment.id).with_for_update(skip_locked=True))     # in id order; none another holds
+    s.execute(delete(Assignment).where(Assignment.id.in_(stale)))
 
 
 def _progress(s, rater: int) -> tuple[int, int]:
@@ -94,10 +106,24 @@ def _choose(s, seen):
                             counting < RatingBatch.raters, taken < SLOTS_PER_R * RatingBatch.raters)
                      .order_by(counting.desc(), Item.batch_id, Item.seq).limit(1)
                      # PostgreSQL: the chosen item's row stays locked to this transaction and the others skip
-                     # it (no race for its slots); SQLite's writers are serial anyway.
-                     .with_for_update(of=Item, skip_locked=True)).first()
+                     # it (no race for its slots); SQLite's writers are serial anyway. NO KEY UPDATE: an answer
+                     # being inserted for the item (its key share) neither blocks nor hides it.
+                     .with_for_update(of=Item, skip_locked=True, key_share=True)).first()
 
 
+def held(db: Database, rater: int, ttl: float = ASSIGNMENT_TTL) -> Served | None:
+    """The rater's open assignment in an open batch, within its TTL, or None: what a GET shows (it changes
+    nothing; ``next_item`` takes one)."""
+    with db.read() as s:
+        a = s.scalar(select(Assignment).join(Item, Item.id == Assignment.item_id)
+                     .join(RatingBatch, RatingBatch.id == Item.batch_id)
+                     .where(Assignment.rater_id == rater, Assignment.answered.is_(False),
+                            Assignment.created_at >= now() - ttl, RatingBatch.status == "open")
+                     .order_by(Assignment.id).limit(1))
+        return None if a is None else _served(s, a, rater)
+
+
+@retried
 def next_item(db: Database, rater: int, rng: random.Random | None = None, ttl: float = ASSIGNMENT_TTL
               ) -> Served | None:
     rng = rng or random.Random()
@@ -154,6 +180,7 @@ def next_item(db: Database, rater: int, rng: random.Random | None = None, ttl: f
     raise Conflict("could not take an item after 20 tries: too many concurrent raters on too few items")
 
 
+@retried
 def answer(db: Database, rater: int, assignment: int, key: str, order: list, outcome: str, extra: dict,
            seconds: float | None = None, ttl: float = ASSIGNMENT_TTL) -> dict:
     """Record an answer: ``order`` lists the candidates' handles best first (a sub-list: equal); for a pairwise
@@ -215,33 +242,60 @@ def _repeat(prior: Answer, rater: int, assignment: int, key: str) -> dict:
     return {"answer": prior.id, "repeat": True}
 
 
+def _lock_item(s, item_id: str) -> Item:
+    """The item's row, locked FOR NO KEY UPDATE (PostgreSQL; the lock order in the module docstring)."""
+    return s.scalar(select(Item).where(Item.id == item_id).with_for_update(key_share=True)
+                    .execution_options(populate_existing=True))
+
+
+def _room(s, item: Item, but: int | None = None) -> bool:
+    """Whether the item (its row locked) has fewer assignments counting toward R than its batch's R, leaving out
+    assignment ``but``: a gold item always has room (every rater once)."""
+    if item.gold is not None:
+        return True
+    raters = s.scalar(select(RatingBatch.raters).where(RatingBatch.id == item.batch_id))
+    counting = s.scalar(select(func.count()).select_from(Assignment)
+                        .where(Assignment.item_id == item.id, Assignment.counts.is_(True), Assignment.id != (but or 0)))
+    return counting < raters
+
+
 def _update_flag(s, rater: int) -> None:
     """The rater's flag from their gold answers; when it changes, their assignments stop (or start again) counting
-    toward R, skipped ones staying out."""
+    toward R, skipped ones staying out. Unflagged, an assignment counts again only where its item has room: its slot
+    may have gone to another rater meanwhile, and an item never has more than R assignments that count."""
     flag = rater_flagged(s, rater)
     user = s.get(User, rater)
     if user is None or bool(user.flagged) == flag:
         return
     user.flagged = flag
     skipped = select(Answer.assignment_id).where(Answer.rater_id == rater, Answer.outcome == "skip")
-    s.execute(update(Assignment).where(Assignment.rater_id == rater, Assignment.id.not_in(skipped))
-              .values(counts=not flag))
-    adaptive = (select(Answer.item_id).join(Item, Item.id == Answer.item_id)
-                .join(RatingBatch, RatingBatch.id == Item.batch_id)
-                .where(Answer.rater_id == rater, Item.gold.is_(None), RatingBatch.stop_confidence.is_not(None)))
-    for item_id in s.scalars(adaptive).all():       # their answers count (or stop counting): settled again
-        _settle(s, item_id)
+    mine = s.execute(select(Assignment.id, Assignment.item_id)
+                     .where(Assignment.rater_id == rater, Assignment.id.not_in(skipped))
+                     .order_by(Assignment.id).with_for_update(key_share=True)).all()
+    if flag:
+        s.execute(update(Assignment).where(Assignment.id.in_([a.id for a in mine])).values(counts=False))
+    # Items in id order (the lock order): unflagged, each is locked and recounted; each is settled again.
+    for a in sorted(mine, key=lambda a: a.item_id):
+        if flag:
+            _settle(s, a.item_id)
+            continue
+        item = _lock_item(s, a.item_id)
+        if _room(s, item, but=a.id):
+            s.execute(update(Assignment).where(Assignment.id == a.id).values(counts=True))
+        _settle(s, item.id, locked=item)
 
 
-def _settle(s, item_id: str) -> None:
+def _settle(s, item_id: str, locked: Item | None = None) -> None:
     """Whether the item's counting answers settle it (a batch with adaptive stopping; ``stopping.settled``). The
-    item's row is locked first (PostgreSQL): two answers to one item settle it one after the other, the second
-    reading the first's answer."""
+    item's row is locked first (PostgreSQL, FOR NO KEY UPDATE), and only in a batch with adaptive stopping: two
+    answers to one item settle it one after the other, the second reading the first's answer."""
     from difftrain_rate.stopping import settled
 
-    item = s.scalar(select(Item).where(Item.id == item_id).with_for_update())
-    batch = s.get(RatingBatch, item.batch_id)
-    if item.gold is not None or batch.stop_confidence is None:
+    batch = s.scalar(select(RatingBatch).join(Item, Item.batch_id == RatingBatch.id).where(Item.id == item_id))
+    if batch.stop_confidence is None:
+        return
+    item = locked or _lock_item(s, item_id)
+    if item.gold is not None:
         return
     rows = s.execute(select(Answer.order, Answer.outcome).join(Assignment, Assignment.id == Answer.assignment_id)
                      .where(Answer.item_id == item_id, Assignment.counts.is_(True))).all()
@@ -249,6 +303,7 @@ def _settle(s, item_id: str) -> None:
                            batch.stop_confidence)
 
 
+@retried
 def undo(db: Database, rater: int) -> str | None:
     """Delete the rater's last answer (within ``UNDO_SECONDS``) and reopen its assignment; the item id or None."""
     with db.write() as s:
@@ -258,13 +313,17 @@ def undo(db: Database, rater: int) -> str | None:
         a = s.get(Assignment, last.assignment_id)
         gold = s.get(Item, a.item_id).gold is not None
         s.delete(last)
-        s.flush()
-        a.counts = not s.get(User, rater).flagged
-        if gold:
-            _update_flag(s, rater)
-        # Reopened: served next (before any other open assignment of the rater).
+        # Reopened: served next (before any other open assignment of the rater); the rater's own rows first.
         s.execute(delete(Assignment).where(Assignment.rater_id == rater, Assignment.answered.is_(False),
                                            Assignment.id != a.id))
+        s.flush()
+        if gold:
+            a.counts = not s.get(User, rater).flagged
+            _update_flag(s, rater)
+        else:
+            # Reopened, it counts again if its rater is not flagged and the item has room: a skip's slot, or a
+            # flagged rater's, may have gone to another rater since.
+            a.counts = not s.get(User, rater).flagged and _room(s, _lock_item(s, a.item_id), but=a.id)
         a.answered = False
         a.created_at = now()
         if not gold:

@@ -16,7 +16,13 @@ and gets 429 until then, whatever the password (checked before the password, so 
 So a guesser elsewhere, or thirty failures from one NAT, never block a user at an address they have used. An
 attempt is counted as a failure before the password is checked and forgiven once it proves right, inside one
 serialised transaction (SQLite's ``BEGIN IMMEDIATE``, PostgreSQL advisory locks on the name and the address):
-concurrent guesses cannot pass a limit. Admins unlock a name (``user unlock``, the admin page).
+concurrent guesses cannot pass a limit. Admins unlock a name (``user unlock``, the admin page): its failures are
+forgotten, and each address it failed or was held back at in the window becomes one of its known addresses, so the
+per-address and per-name back-offs (other people's failures there) no longer hold it; the (name, address) limit
+still does.
+
+Tokens are compared as bytes (``same_token``): a header or field of any characters is a mismatch, never an error.
+A sign-in posted from another site is refused (``cross_site``: login CSRF).
 """
 
 from __future__ import annotations
@@ -56,6 +62,27 @@ _hashing = threading.BoundedSemaphore(1)
 
 def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def same_token(sent: str | None, expected: str | None) -> bool:
+    """Whether ``sent`` is ``expected``, compared in constant time as UTF-8 bytes (``hmac.compare_digest`` refuses
+    str with non-ASCII characters: a hostile header was a 500)."""
+    if not sent or not expected:
+        return False
+    return hmac.compare_digest(sent.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
+
+
+def cross_site(headers, own_netloc: str) -> bool:
+    """Whether the browser says the request came from another site: ``Sec-Fetch-Site`` cross-site or same-site (a
+    sibling domain, where cookies can be planted), or, from a browser that does not send it, an ``Origin`` that is
+    not this host. A request with neither (a script, curl) is not a browser's cross-site form."""
+    site = (headers.get("sec-fetch-site") or "").strip().lower()
+    if site:
+        return site in ("cross-site", "same-site")
+    origin = (headers.get("origin") or "").strip()
+    if not origin:
+        return False
+    return origin == "null" or origin.split("://", 1)[-1].rstrip("/").lower() != own_netloc.lower()
 
 
 def add_user(db: Database, name: str, password: str, role: str = "rater") -> int:
@@ -141,11 +168,19 @@ def login(db: Database, name: str, password: str, address: str) -> tuple[str, st
         limits = [("pair", FAILS_PER_PAIR)] + ([] if known else [("ip", FAILS_PER_ADDRESS), ("name", FAILS_PER_NAME)])
         wait = max(_wait(s, keys[k], limit, t) for k, limit in limits)
         if wait > 0:
-            raise TooManyAttempts(math.ceil(wait))
-        pending = [LoginFailure(key=k, at=t) for k in keys.values()]       # forgiven below if the password is right
-        s.add_all(pending)
-        s.flush()
-        pending_ids = [f.id for f in pending]
+            if u is not None:
+                # Remembered, once per (user, address) and counted by no limit: an admin's unlock then knows the
+                # address the user is held back at.
+                held = f"held:{name}|{address}"
+                s.execute(delete(LoginFailure).where(LoginFailure.key == held))
+                s.add(LoginFailure(key=held, at=t))
+        else:
+            pending = [LoginFailure(key=k, at=t) for k in keys.values()]   # forgiven below if the password is right
+            s.add_all(pending)
+            s.flush()
+            pending_ids = [f.id for f in pending]
+    if wait > 0:
+        raise TooManyAttempts(math.ceil(wait))
     # The hash is checked outside any write transaction (it takes ~50 ms).
     ok = False
     with _hashing:
@@ -168,13 +203,21 @@ def login(db: Database, name: str, password: str, address: str) -> tuple[str, st
 
 
 def unlock(db: Database, name: str) -> int:
-    """Forget the failed sign-ins of ``name`` (from every address); the number forgotten."""
+    """Forget the failed sign-ins of ``name`` (from every address), and make each address it failed or was held
+    back at one of its known addresses (the per-address and per-name back-offs no longer hold it there); the number
+    of failures forgotten."""
     with db.write() as s:
-        if s.scalar(select(User.id).where(User.name == name)) is None:
+        uid = s.scalar(select(User.id).where(User.name == name))
+        if uid is None:
             raise RateError(f"no user {name!r}")
         k = _keys(name, "")
-        n = s.execute(delete(LoginFailure).where(or_(LoginFailure.key == k["name"],
-                                                     LoginFailure.key.startswith(k["pair"], autoescape=True))))
+        held = f"held:{name}|"
+        mine = or_(LoginFailure.key.startswith(k["pair"], autoescape=True),
+                   LoginFailure.key.startswith(held, autoescape=True))
+        addresses = {key.split("|", 1)[1] for key in s.scalars(select(LoginFailure.key).where(mine))}
+        known = set(s.scalars(select(KnownSignIn.address).where(KnownSignIn.user_id == uid)))
+        s.add_all(KnownSignIn(user_id=uid, address=a, at=now()) for a in sorted(addresses - known))
+        n = s.execute(delete(LoginFailure).where(or_(LoginFailure.key == k["name"], mine)))
         return n.rowcount or 0
 
 
@@ -194,7 +237,7 @@ class Principal:
         return self.user.role == "admin"
 
     def csrf_ok(self, sent: str | None) -> bool:
-        return self.csrf is None or (sent is not None and hmac.compare_digest(self.csrf, sent))
+        return self.csrf is None or same_token(sent, self.csrf)
 
 
 def from_session(db: Database, token: str | None) -> Principal | None:

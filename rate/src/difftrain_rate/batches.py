@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from difftrain_rate.db import Database, Image, Item, RatingBatch
+from difftrain_rate.db import MAX_RATERS, Database, Image, Item, RatingBatch
 from difftrain_rate.errors import RateError
 
 QUESTIONS = ("overall", "aesthetics", "prompt_fit")
@@ -60,28 +60,51 @@ def confined(root: Path, value, where: str, field: str) -> Path:
     return p
 
 
-def check_image(path: Path, where: str, field: str) -> None:
-    """The file decodes as a PNG of bounded size (what the app serves, as image/png)."""
+def check_image(path: Path, where: str, field: str) -> tuple[int, int]:
+    """The file decodes as a PNG of bounded size (what the app serves, as image/png); its (inode, size), read from
+    the descriptor decoded, which the image server checks again before it serves the file."""
+    import stat
     import warnings
 
     from PIL import Image as PILImage
 
-    if path.stat().st_size > MAX_IMAGE_BYTES:
-        raise RateError(f"{where}: {field} {path.name}: over {MAX_IMAGE_BYTES >> 20} MiB")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", PILImage.DecompressionBombWarning)
-            with PILImage.open(path) as im:
-                if im.format != "PNG":
-                    raise RateError(f"{where}: {field} {path.name}: a {im.format} file, expected a PNG")
-                if im.width * im.height > MAX_IMAGE_PIXELS:
-                    raise RateError(f"{where}: {field} {path.name}: {im.width}x{im.height} pixels, over "
-                                    f"{MAX_IMAGE_PIXELS}")
-                im.load()
-    except RateError:
-        raise
-    except Exception as e:  # noqa: BLE001 - Pillow raises many types for a file that is not an image
-        raise RateError(f"{where}: {field} {path.name} is not a readable PNG ({type(e).__name__})") from None
+        f = open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb")
+    except OSError as e:
+        raise RateError(f"{where}: {field} {path.name}: cannot be opened ({e.strerror})") from None
+    with f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise RateError(f"{where}: {field} {path.name} is not a file")
+        if st.st_size > MAX_IMAGE_BYTES:
+            raise RateError(f"{where}: {field} {path.name}: over {MAX_IMAGE_BYTES >> 20} MiB")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", PILImage.DecompressionBombWarning)
+                with PILImage.open(f) as im:
+                    if im.format != "PNG":
+                        raise RateError(f"{where}: {field} {path.name}: a {im.format} file, expected a PNG")
+                    if im.width * im.height > MAX_IMAGE_PIXELS:
+                        raise RateError(f"{where}: {field} {path.name}: {im.width}x{im.height} pixels, over "
+                                        f"{MAX_IMAGE_PIXELS}")
+                    im.load()
+        except RateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Pillow raises many types for a file that is not an image
+            raise RateError(f"{where}: {field} {path.name} is not a readable PNG ({type(e).__name__})") from None
+    return st.st_ino, st.st_size
+
+
+def _text(v, most: int) -> bool:
+    """Text a database stores as it is: a str of 1..most characters, not blank, no NUL, no lone surrogate (JSON's
+    "\\ud800" decodes to one; UTF-8 and PostgreSQL refuse it)."""
+    if not isinstance(v, str) or not v.strip() or len(v) > most or "\x00" in v:
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_row(r, where: str) -> None:
@@ -96,7 +119,7 @@ def _check_row(r, where: str) -> None:
         raise RateError(f"{where}: unknown key(s) {unknown}: a candidates line has {known}")
     for key, most in TEXT_FIELDS.items():
         v = r[key]
-        if not isinstance(v, str) or not v.strip() or len(v) > most or "\x00" in v:
+        if not _text(v, most):
             raise RateError(f"{where}: {key} {v!r:.80}: expected text of 1-{most} characters")
     for key in INT_FIELDS:
         v = r.get(key, 0)
@@ -149,10 +172,10 @@ def read_candidates(folder: str | Path) -> tuple[dict, list[dict]]:
         if r["id"] in seen:
             raise RateError(f"{where}: candidate id {r['id']!r} repeats {seen[r['id']]}")
         seen[r["id"]] = where
-        paths = []
+        paths, identity = [], {}
         for field, rel in [("image", r["image"])] + [("frames", f) for f in (r.get("frames") or [])]:
             p = confined(root, rel, where, field)
-            check_image(p, where, field)
+            identity[str(p)] = check_image(p, where, field)
             if field == "frames" or not r.get("frames"):
                 paths.append(str(p))
         r["paths"] = paths
@@ -161,10 +184,11 @@ def read_candidates(folder: str | Path) -> tuple[dict, list[dict]]:
             if not r.get("source"):
                 raise RateError(f"{where}: an edit needs its source image ('source')")
             p = confined(root, r["source"], where, "source")
-            check_image(p, where, "source")
+            identity[str(p)] = check_image(p, where, "source")
             r["source_path"] = str(p)
         elif r.get("source"):
             raise RateError(f"{where}: source {r['source']!r:.80}: only an edit has a source image")
+        r["identity"] = identity
         rows.append(r)
     if not rows:
         raise RateError(f"{cpath}: no candidates")
@@ -187,25 +211,46 @@ def _by_prompt(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def _read_gold(path: str | Path | None, prompts: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """The gold file (JSONL of ``{"prompt_id": str, "order": [candidate id, best first, ...]}``), checked: every
+    error is one line naming the file, the line and the field."""
     if not path:
         return {}
     p = Path(path)
     if not p.is_file():
         raise RateError(f"--gold {p}: no such file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RateError(f"{p}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise RateError(f"{p}: cannot be read ({e.strerror})") from None
     gold = {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    shape = '{"prompt_id": "...", "order": [best, ...]}'
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{p}:{n}"
         try:
             g = json.loads(line)
-            pid, order = g["prompt_id"], g["order"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise RateError(f"{p}:{n}: expected {{\"prompt_id\": ..., \"order\": [best, ...]}}") from None
+        except (json.JSONDecodeError, RecursionError):
+            raise RateError(f"{where}: not JSON (expected {shape})") from None
+        if not isinstance(g, dict):
+            raise RateError(f"{where}: expected an object {shape}")
+        unknown = sorted(set(g) - {"prompt_id", "order"})
+        if unknown:
+            raise RateError(f"{where}: unknown key(s) {[u[:40] for u in unknown[:5]]}: expected {shape}")
+        pid, order = g.get("prompt_id"), g.get("order")
+        if not _text(pid, TEXT_FIELDS["prompt_id"]):
+            raise RateError(f"{where}: prompt_id {pid!r:.80}: expected text of 1-{TEXT_FIELDS['prompt_id']} "
+                            "characters")
         if pid not in prompts:
-            raise RateError(f"{p}:{n}: prompt {pid!r} is not in the batch")
-        ids = {c["id"] for c in prompts[pid]}
-        if sorted(order) != sorted(ids):
-            raise RateError(f"{p}:{n}: the order must name each of the prompt's candidates once: {sorted(ids)}")
+            raise RateError(f"{where}: prompt_id {pid!r:.80} is not in the batch")
+        ids = sorted(c["id"] for c in prompts[pid])
+        if not isinstance(order, list) or not all(isinstance(c, str) for c in order) or sorted(order) != ids:
+            raise RateError(f"{where}: order {order!r:.80}: expected a list naming each of the prompt's candidates "
+                            f"once, best first: {ids}")
+        if pid in gold:
+            raise RateError(f"{where}: prompt_id {pid!r:.80} has a gold order already")
         gold[pid] = list(order)
     return gold
 
@@ -225,8 +270,8 @@ def import_batch(db: Database, name: str, folders: list[str], kind: str = "ranki
         raise RateError(f"--kind {kind!r}: expected 'ranking' or 'pairwise'")
     if not 1 <= len(folders) <= 2:
         raise RateError("a batch is one candidates folder, or two (a comparison of two checkpoints)")
-    if raters < 1:
-        raise RateError(f"--raters {raters}: expected >= 1")
+    if isinstance(raters, bool) or not isinstance(raters, int) or not 1 <= raters <= MAX_RATERS:
+        raise RateError(f"--raters {raters!r:.40}: expected an integer in [1, {MAX_RATERS}]")
     if not 0.0 <= gold_rate < 1.0:
         raise RateError(f"--gold-rate {gold_rate}: expected a share in [0, 1)")
     min_raters, stop_confidence = check_settings(raters, min_raters, stop_confidence)
@@ -271,15 +316,17 @@ def import_batch(db: Database, name: str, folders: list[str], kind: str = "ranki
             for c, model in cands:
                 ids = []
                 for path in c["paths"]:
+                    ino, size = c["identity"][path]
                     img = Image(id=opaque(), batch_id=batch.id, item_id=item.id, path=path, candidate=c["id"],
-                                model=model)
+                                model=model, inode=ino, size=size)
                     s.add(img)
                     ids.append(img.id)
                 views.append(ids)
                 handle[c["id"]] = ids[0]
             if first["source_path"]:
+                ino, size = first["identity"][first["source_path"]]
                 img = Image(id=opaque(), batch_id=batch.id, item_id=item.id, path=first["source_path"], candidate="",
-                            model=0)
+                            model=0, inode=ino, size=size)
                 s.add(img)
                 item.context = [img.id]
             item.images = views

@@ -1,7 +1,7 @@
 """``difftrain-rate`` (also ``difftrain rate``): serve the app, manage users, import batches, export answers.
 
     difftrain-rate serve --db URL [--batches DIR] [--host 127.0.0.1] [--port 8000] [--workers 2] [--secure-cookies]
-                         [--forwarded-allow-ips PROXY,...] [--assignment-ttl SECONDS]
+                         [--forwarded-allow-ips PROXY,...] [--assignment-ttl SECONDS] [--header-timeout SECONDS]
     difftrain-rate user add NAME [--role rater|admin]      (password from DIFFTRAIN_RATE_PASSWORD or asked)
     difftrain-rate user disable NAME | user enable NAME | user token NAME | user unlock NAME
     difftrain-rate import --db URL --name NAME FOLDER [FOLDER_B] [--kind ranking|pairwise] [--raters R]
@@ -66,14 +66,26 @@ def import_folders(db, root: str) -> list[dict]:
     r = Path(root)
     if not r.is_dir():
         raise RateError(f"--batches {root}: no such folder")
+    top = r.resolve()
     with db.read() as s:
         have = set(s.scalars(select(RatingBatch.name)))
-    made = []
-    for d in sorted(p for p in r.iterdir() if (p / "manifest.json").is_file()):
-        if d.name in have:
+    todo = []
+    for d in sorted(r.iterdir()):
+        if d.is_symlink():
+            # A link may point anywhere (outside DIR, at another user's files): a batch folder is a real folder.
+            if (d / "manifest.json").exists():
+                raise RateError(f"--batches {root}: {d.name} is a symbolic link (to {os.readlink(d)}): a batch "
+                                "folder must be a folder inside DIR, not a link")
             continue
-        made.append(import_batch(db, d.name, **_batch_settings(d, r.resolve())))
-    return made
+        if not d.is_dir() or not (d / "manifest.json").is_file():
+            continue
+        folder = d.resolve()
+        if not folder.is_relative_to(top) or folder.parent != top:
+            raise RateError(f"--batches {root}: {d.name} resolves to {folder}, outside {top}")
+        if d.name not in have:
+            todo.append((d.name, _batch_settings(folder, top)))
+    # Every folder placed and its settings checked before any is imported.
+    return [import_batch(db, name, **settings) for name, settings in todo]
 
 
 BATCH_KEYS = {"kind": str, "raters": int, "gold": str, "gold_rate": (int, float), "questions": list,
@@ -120,6 +132,10 @@ def serve(args) -> None:
     import uvicorn
 
     db = _db(args.db, migrate=True)
+    if not 1 <= args.workers <= 64:
+        raise RateError(f"--workers {args.workers}: expected 1-64")
+    check_connections(db, args.workers)
+    header_timeout(args.header_timeout)
     if args.batches:
         for m in import_folders(db, args.batches):
             print(json.dumps({"imported": m}), flush=True)
@@ -133,9 +149,43 @@ def serve(args) -> None:
     proxies = args.forwarded_allow_ips or ""
     # No proxy named: X-Forwarded-For and -Proto are ignored, the client is the socket's peer (uvicorn would
     # otherwise trust 127.0.0.1, so anyone on the host could claim any address and pass the per-address limit).
+    os.environ["DIFFTRAIN_RATE_HEADER_TIMEOUT"] = str(header_timeout(args.header_timeout))
+    from difftrain_rate.guard import HeadDeadlineH11
+
+    # uvicorn's h11 protocol with a deadline on each request's line and headers (uvicorn has none: a client sending
+    # a header a minute would hold its connection forever).
     uvicorn.run("difftrain_rate.app:factory", factory=True, host=args.host, port=args.port, workers=args.workers,
                 proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=HeadDeadlineH11)
+
+
+def header_timeout(value) -> float:
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        t = float("nan")
+    if not 0.5 <= t <= 300:
+        raise RateError(f"--header-timeout {value!r}: expected seconds in [0.5, 300]")
+    return t
+
+
+def check_connections(db, workers: int) -> None:
+    """PostgreSQL: the workers' pools together fit the server's connections (what is left to ordinary roles), so a
+    busy hour never meets 'too many clients' (a 500 it would have been, a 503 it is now): refused at start."""
+    from sqlalchemy import text
+
+    from difftrain_rate.app import POOL_OVERFLOW, POOL_SIZE
+
+    if db.engine.dialect.name != "postgresql":
+        return
+    with db.engine.connect() as c:
+        most = int(c.execute(text("SHOW max_connections")).scalar())
+        reserved = int(c.execute(text("SHOW superuser_reserved_connections")).scalar())
+    need = workers * (POOL_SIZE + POOL_OVERFLOW)
+    if need > most - reserved:
+        raise RateError(f"--workers {workers}: {workers} x {POOL_SIZE + POOL_OVERFLOW} database connections "
+                        f"= {need}, over the {most - reserved} the server allows (max_connections {most}): fewer "
+                        "workers, or raise max_connections")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "none by default")
     p.add_argument("--assignment-ttl", default=30 * 60, type=float,
                    help="seconds an item is held for a rater before it is released for others (default 1800)")
+    p.add_argument("--header-timeout", default=10.0, type=float,
+                   help="seconds a client has to send a request's line and headers (default 10); then 408 and close")
     p.add_argument("--log-level", default="warning")
 
     u = sub.add_parser("user", help="accounts")

@@ -14,7 +14,8 @@ class RaterClient:
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
 
     def next(self) -> dict | None:
-        r = self.http.get("/api/next")
+        """Take the next item (the one held, if any): POST, as taking one changes what the server holds."""
+        r = self.http.post("/api/next")
         r.raise_for_status()
         data = r.json()
         return data if data.get("item") else None

@@ -7,10 +7,11 @@ takes the write lock before reading, so two server processes never deadlock upgr
 "database is locked"), they queue on the timeout instead. Read-only work (``read()``) starts a deferred
 transaction and does not queue behind writers.
 
-What the database enforces (not only the code): each item is rated by a rater at most once (unique (item,
-rater)) and has at most 2R rating slots (unique (item, slot), slots 0..2R-1: R that count, and those a skip or a
-flagged rater gave back; gold items take the rater's id as
-their slot); an answer is one per assignment and one per idempotency key, so a retried post counts once.
+What the database enforces (not only the code): R is 1..``MAX_RATERS``; each item is rated by a rater at most once
+(unique (item, rater)) and has at most 2R rating slots (unique (item, slot), slots 0..2R-1: R that count, and those
+a skip or a flagged rater gave back; gold items take the rater's id as their slot); an answer is one per assignment
+and one per idempotency key, so a retried post counts once. PostgreSQL connections carry a statement timeout and an
+idle-in-transaction timeout; a transaction the server aborts as a deadlock victim is run again (``retried``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from sqlalchemy import (JSON, Boolean, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text,
+from sqlalchemy import (JSON, BigInteger, Boolean, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text,
                         UniqueConstraint, create_engine, event, false, true)
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -28,6 +29,7 @@ from difftrain_rate.errors import RateError
 
 
 SLOTS_PER_R = 2     # an item's slots in all, per R: R that count, the rest reopened by skips and flagged raters
+MAX_RATERS = 100    # R's most (the importer and a CHECK constraint): 2R slots stay small numbers everywhere
 
 
 class Base(DeclarativeBase):
@@ -102,7 +104,7 @@ class RatingBatch(Base):
     status: Mapped[str] = mapped_column(String(16), default="open")
     created_at: Mapped[float] = mapped_column(Float, default=now)
     __table_args__ = (CheckConstraint("kind in ('pairwise', 'ranking')", name="ck_batches_kind"),
-                      CheckConstraint("raters >= 1", name="ck_batches_raters"))
+                      CheckConstraint(f"raters >= 1 AND raters <= {MAX_RATERS}", name="ck_batches_raters"))
 
 
 class Image(Base):
@@ -113,6 +115,10 @@ class Image(Base):
     path: Mapped[str] = mapped_column(Text)                              # absolute, inside one of the batch's folders
     candidate: Mapped[str] = mapped_column(String(200))                  # the candidate id ('' for a source image)
     model: Mapped[int] = mapped_column(Integer, default=0)               # which folder (a comparison's A = 0, B = 1)
+    # the file as imported: the image server serves it only while its inode and size are these (NULL: unknown, not
+    # served; a row of a version before 0005 whose file was gone at the upgrade)
+    inode: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    size: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class Item(Base):
@@ -178,7 +184,75 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, pool_size: int = 10) -> Engine:
+# PostgreSQL: no statement (a lock wait included) runs longer than this, and no transaction idles open longer than
+# that (a worker killed mid-transaction frees its locks): a request gets a 503 it may retry, never a hang.
+STATEMENT_TIMEOUT_MS = 15_000
+IDLE_IN_TRANSACTION_MS = 60_000
+POOL_TIMEOUT_S = 10
+# SQLSTATEs of a transaction the server aborted for the others' sake (a deadlock, a serialization failure): run
+# again from the start, inside the server, before a client ever sees them.
+RETRIED_SQLSTATES = ("40P01", "40001")
+RETRIES = 6
+
+
+class Unavailable(Exception):
+    """The database cannot serve this request now (unreachable, timed out, or a transaction retried to the end):
+    the app answers 503 with Retry-After."""
+
+
+def transient(e: BaseException) -> bool:
+    """A deadlock or serialization failure (PostgreSQL aborts one transaction of the cycle): retried."""
+    return getattr(getattr(e, "orig", None), "sqlstate", None) in RETRIED_SQLSTATES
+
+
+# What a request meets while the database cannot serve it, not a fault of the request or the code: a statement past
+# its timeout, a lock not available, too many connections, the server shutting down or starting, a connection lost
+# (class 08); SQLite's lock wait given up, its file not openable.
+UNAVAILABLE_SQLSTATES = ("57014", "55P03", "53300", "57P01", "57P02", "57P03") + RETRIED_SQLSTATES
+SQLITE_UNAVAILABLE = ("database is locked", "unable to open database file", "disk i/o error")
+
+
+def unavailable(e: BaseException) -> bool:
+    """Whether ``e`` means the database cannot serve now (the app's 503), not that the request or the code is wrong."""
+    from sqlalchemy.exc import DBAPIError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    if isinstance(e, (Unavailable, PoolTimeout)):
+        return True
+    if not isinstance(e, DBAPIError):
+        return False
+    if e.connection_invalidated:
+        return True
+    code = getattr(e.orig, "sqlstate", None)
+    if code:
+        return code in UNAVAILABLE_SQLSTATES or code.startswith("08")
+    if type(e.orig).__module__.startswith("psycopg"):
+        return True                    # psycopg's errors without a SQLSTATE: the connection failed
+    return any(m in str(e.orig).lower() for m in SQLITE_UNAVAILABLE)
+
+
+def retried(fn):
+    """Run ``fn`` (one or more whole transactions) again when the database aborts it as a deadlock victim or a
+    serialization failure, with a short random back-off; after ``RETRIES`` tries, ``Unavailable``."""
+    import functools
+    import random
+
+    from sqlalchemy.exc import DBAPIError
+
+    @functools.wraps(fn)
+    def run(*args, **kw):
+        for attempt in range(RETRIES):
+            try:
+                return fn(*args, **kw)
+            except DBAPIError as e:
+                if not transient(e):
+                    raise
+                time.sleep(random.uniform(0.005, 0.02) * 2 ** attempt)
+        raise Unavailable(f"the database aborted this request {RETRIES} times as a deadlock victim: retry")
+    return run
+
+
+def make_engine(url: str, pool_size: int = 10, max_overflow: int | None = None) -> Engine:
     url = normalize_url(url)
     if _is_sqlite(url):
         path = url.split("sqlite:///", 1)[-1]
@@ -198,16 +272,21 @@ def make_engine(url: str, pool_size: int = 10) -> Engine:
         def _begin(conn):
             conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get("readonly") else "BEGIN IMMEDIATE")
     else:
-        engine = create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+        options = (f"-c statement_timeout={STATEMENT_TIMEOUT_MS} "
+                   f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_MS}")
+        engine = create_engine(url, pool_size=pool_size,
+                               max_overflow=pool_size if max_overflow is None else max_overflow,
+                               pool_timeout=POOL_TIMEOUT_S, pool_pre_ping=True,
+                               connect_args={"options": options, "connect_timeout": 5})
     return engine
 
 
 class Database:
     """The engine and sessions: ``write()`` (an immediate transaction, committed on exit) and ``read()``."""
 
-    def __init__(self, url: str, pool_size: int = 10):
+    def __init__(self, url: str, pool_size: int = 10, max_overflow: int | None = None):
         self.url = normalize_url(url)
-        self.engine = make_engine(url, pool_size)
+        self.engine = make_engine(url, pool_size, max_overflow)
         self.reader = self.engine.execution_options(readonly=True)
 
     @contextlib.contextmanager

@@ -1,6 +1,8 @@
 // difftrain rate: keyboard-first rating. Pairwise: 1/← left, 2/→ right, 3/t tie, 4/b both bad, 0/s skip.
 // Ranking: press candidates' numbers best first (or drag one onto another), Backspace takes the last back, r resets,
 // Enter sends. Everywhere: u undoes the last answer. One idempotency key per page: a retried send counts once.
+// No GET takes an item: a page without one posts its form (POST /next) at once, and after an answer the script takes
+// the next one (POST /api/next) before it shows it.
 "use strict";
 (function () {
   const state = document.getElementById("state");
@@ -25,11 +27,16 @@
     busy = true;
     const [code, data] = await post("/api/undo");
     busy = false;
-    if (code === 200 && data.undone) { location.reload(); } else { say(code === 200 ? "Nothing to undo." : (data.error || "Undo failed.")); }
+    if (code === 200 && data.undone) { location.assign("/"); } else { say(code === 200 ? "Nothing to undo." : (data.error || "Undo failed.")); }
   }
   const undoButton = document.getElementById("undo");
   if (undoButton) undoButton.addEventListener("click", undo);
 
+  if (state.dataset.take) {
+    const take = document.getElementById("take");
+    if (take) take.submit();
+    return;
+  }
   if (!state.dataset.assignment) {
     document.addEventListener("keydown", e => { if (e.key === "u") undo(); });
     return;
@@ -49,9 +56,16 @@
     say("Sending…");
     const [code, data] = await post("/api/answer", {assignment, key, order, outcome, extra});
     busy = false;
-    if (code === 200) { location.reload(); return; }
+    if (code === 200) { await showNext(); return; }
     say((data.error || "The answer was not saved") + (code >= 500 || code === 0 ? " — press the key again to retry." : ""));
     if (code === 409) setTimeout(() => location.reload(), 1500);
+  }
+
+  async function showNext() {
+    const [code, data] = await post("/api/next");
+    if (code === 200) { location.assign(data.item ? "/" : "/done"); return; }
+    say((data.error || "The next item could not be taken") + " — reloading.");
+    setTimeout(() => location.assign("/"), 1500);
   }
 
   function showQuestion() {
