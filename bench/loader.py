@@ -306,6 +306,9 @@ def slow_store_part(root: Path, args) -> dict:
     table_bytes = sum(f.stat().st_size for f in (Path(store) / "tables").rglob("*") if f.is_file())
     epoch = n // gb
     steps = args.slow_epochs * epoch
+    if os.environ.get("DIFFTRAIN_MAX_STEPS"):     # docs/configuration.md: the docs' tests run every command short
+        steps = max(3, min(steps, int(os.environ["DIFFTRAIN_MAX_STEPS"])))
+        epoch = min(epoch, steps - 1)
     cache_root = Path(args.slow_cache_dir) if args.slow_cache_dir else root
     ctx = mp.get_context("spawn")
     out = {"slow_store_ms": ms, "slow_step_ms": args.slow_step_ms, "slow_global_batch": gb, "slow_steps": steps,

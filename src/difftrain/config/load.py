@@ -8,6 +8,7 @@ the value and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import tomllib
 import typing
@@ -176,6 +177,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return path, value
 
 
+MAX_STEPS_ENV = "DIFFTRAIN_MAX_STEPS"   # a cap on train.steps and sample.steps, applied after --set
 MAX_EXTENDS = 8      # a chain of ``extends`` longer than this is a mistake, not a design
 
 
@@ -237,7 +239,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(data[sec], dict):
             raise UserError(f"--set {item!r}: [{sec}] is not a table in {source}")
         data[sec][key] = value
-    return from_dict(data, source + (" (with --set)" if overrides else ""))
+    cfg = from_dict(data, source + (" (with --set)" if overrides else ""))
+    cap = os.environ.get(MAX_STEPS_ENV, "").strip()
+    if cap:                       # the docs' tests run every command as written, only shorter (docs/configuration.md)
+        if not cap.isdigit():
+            raise UserError(f"{MAX_STEPS_ENV}={cap!r}: expected a whole number of steps")
+        cfg.train.steps = min(cfg.train.steps, int(cap))
+        cfg.sample.steps = min(cfg.sample.steps, int(cap))
+    return cfg
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
