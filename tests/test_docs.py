@@ -69,8 +69,6 @@ MARKS: dict[tuple[str, str], tuple[str, str]] = {
 XFAIL: dict[tuple[str, str], str] = {
     ("docs/data-path.md", "difftrain shapes export shapes-export --config shapes-store"):
         "an export sized for a short run leaves every bucket below its global batch: train finds no stream",
-    ("docs/fine-tuning.md", "difftrain plan mine.toml --gpus 1 --gpu-mem 24"):
-        "issue 54: export --adapter of the recipe's run (ema_decay = 0) asks for EMA weights: 'use --weights raw'",
 }
 
 
