@@ -254,14 +254,14 @@ SERVE_PRELUDE = r"""
 __serve() {  # start "$@" in the background, wait until http://127.0.0.1:PORT/ answers, stop it
   local port=8000 prev=
   for a in "$@"; do [ "$prev" = --port ] && port=$a; prev=$a; done
-  "$@" & local pid=$!
+  set -m; "$@" & local pid=$!; set +m      # its own process group: the stop reaches its children too
   for i in $(seq 1 120); do
     if python -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/', timeout=2)" \
-        2>/dev/null; then kill $pid; wait $pid 2>/dev/null; return 0; fi
-    kill -0 $pid 2>/dev/null || { wait $pid; return 1; }
+        2>/dev/null; then kill -- -$pid; wait $pid 2>/dev/null || true; return 0; fi
+    kill -0 $pid 2>/dev/null || { wait $pid || true; echo "the server exited before it answered" >&2; return 1; }
     sleep 0.5
   done
-  kill $pid; echo "server on port $port never answered" >&2; return 1
+  kill -- -$pid; wait $pid 2>/dev/null || true; echo "server on port $port never answered" >&2; return 1
 }
 difftrain-rate() { if [ "$1" = serve ]; then __serve command difftrain-rate "$@"; else command difftrain-rate "$@"; fi; }
 difftrain() { if [ "$1 $2" = "rate serve" ]; then __serve command difftrain "$@"; else command difftrain "$@"; fi; }
