@@ -84,8 +84,9 @@ _RENAMED = {
 }
 
 
-def from_dict(data: dict[str, Any], source: str = "config") -> Config:
-    """Build a validated ``Config`` from a nested dict (the parsed TOML)."""
+def from_dict(data: dict[str, Any], source: str = "config", check: bool = True) -> Config:
+    """Build a validated ``Config`` from a nested dict (the parsed TOML); ``check = False``: each key's type and range
+    only, the checks across keys left to the caller (``validate``)."""
     cfg = Config()
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for sec_name, sec_value in data.items():
@@ -104,7 +105,8 @@ def from_dict(data: dict[str, Any], source: str = "config") -> Config:
             value = _coerce(value, hints[key], where)
             _check_range(value, fields[key].metadata, where)
             setattr(section, key, value)
-    validate(cfg, source)
+    if check:
+        validate(cfg, source)
     return cfg
 
 
@@ -159,6 +161,37 @@ def validate(cfg: Config, source: str = "config") -> None:
     if d.stages:
         from difftrain.config.stages import parse_stages
         parse_stages(cfg, source)        # raises UserError naming the stage and key
+    _check_previews(cfg, source)
+
+
+def _check_previews(cfg: Config, source: str) -> None:
+    """preview.prompts: tables of known keys, each of its type and in range; sizes the autoencoder can take."""
+    from difftrain.config.schema import PREVIEW_KEYS
+
+    step = 16 if cfg.autoencoder.kind == "diffusers" else 2 * cfg.autoencoder.factor
+    for key in ("width", "height"):
+        v = getattr(cfg.preview, key)
+        if v and v % step:
+            raise UserError(f"{source}: preview.{key} = {v}: expected a multiple of {step} (2x2 patches of the latent)")
+    for i, item in enumerate(cfg.preview.prompts):
+        where = f"{source}: preview.prompts[{i}]"
+        if not isinstance(item, dict):
+            raise UserError(f"{where} = {item!r}: expected a table {{prompt = '...', width = W, ...}}")
+        unknown = sorted(set(item) - set(PREVIEW_KEYS))
+        if unknown:
+            raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(PREVIEW_KEYS)}")
+        if not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+            raise UserError(f"{where}: needs prompt = '...' (a non-empty string)")
+        for key, tp in PREVIEW_KEYS.items():
+            if key == "prompt" or key not in item:
+                continue
+            v = _coerce(item[key], tp, f"{where}.{key}")
+            bounds = {"width": (step, 4096), "height": (step, 4096), "seed": (0, 2 ** 63 - 1),
+                      "guidance": (0.0, 100.0)}[key]
+            if not bounds[0] <= v <= bounds[1] or (key in ("width", "height") and v % step):
+                raise UserError(f"{where}.{key} = {v!r}: expected {bounds[0]}..{bounds[1]}"
+                                + (f", a multiple of {step}" if key in ("width", "height") else ""))
+            item[key] = v
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -190,9 +223,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _read(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+def _read(p: Path, chain: tuple[Path, ...] = (), user: set[str] | None = None) -> dict[str, Any]:
     """A config file's tables, on top of what its top-level ``extends`` names (a preset, or a .toml path relative
-    to the file), recursively."""
+    to the file), recursively. ``user`` collects the ``section.key`` names set by files that are not shipped presets
+    (what the user said, as against what a preset says: ``config.base``)."""
     if not p.is_file():
         raise UserError(f"{p}: config file not found" + (f" (extended by {chain[-1]})" if chain else ""))
     try:
@@ -201,6 +235,8 @@ def _read(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise UserError(f"{p}: not valid TOML ({e})") from None
     except UnicodeDecodeError:
         raise UserError(f"{p}: not a UTF-8 text file (expected a TOML config)") from None
+    if user is not None and not _is_preset(p):
+        user.update(f"{sec}.{key}" for sec, table in data.items() if isinstance(table, dict) for key in table)
     if "extends" not in data:
         return data
     base = data.pop("extends")
@@ -221,7 +257,12 @@ def _read(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise UserError(f"{p}: extends = {base!r} makes a cycle: " + " -> ".join(map(str, here + (bp.resolve(),))))
     if len(here) > MAX_EXTENDS:
         raise UserError(f"{p}: extends chains more than {MAX_EXTENDS} files deep")
-    return _merge(_read(bp, here), data)
+    return _merge(_read(bp, here, user), data)
+
+
+def _is_preset(p: Path) -> bool:
+    from difftrain.config import PRESETS
+    return p.resolve().parent == PRESETS.resolve()
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -229,17 +270,23 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     the file's own keys on top), apply overrides, validate."""
     data: dict[str, Any] = {}
     source = "defaults"
+    user: set[str] = set()
     if path is not None:
         p = Path(path)
         source = str(p)
-        data = _read(p)
+        data = _read(p, user=user)
     for item in overrides:
         (sec, key), value = parse_override(item)
+        user.add(f"{sec}.{key}")
         data.setdefault(sec, {})
         if not isinstance(data[sec], dict):
             raise UserError(f"--set {item!r}: [{sec}] is not a table in {source}")
         data[sec][key] = value
-    cfg = from_dict(data, source + (" (with --set)" if overrides else ""))
+    where = source + (" (with --set)" if overrides else "")
+    cfg = from_dict(data, where, check=False)
+    from difftrain.config.base import resolve_base
+    resolve_base(cfg, user, where)       # what model.init_from's folder says of the model, encoders and VAE
+    validate(cfg, where)
     cap = os.environ.get(MAX_STEPS_ENV, "").strip()
     if cap:                       # the docs' tests run every command as written, only shorter (docs/configuration.md)
         if not cap.isdigit():
