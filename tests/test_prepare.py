@@ -349,7 +349,11 @@ def test_cli_export_and_dry_run(ray_local, tmp_path, capsys):
     assert json.loads((tmp_path / "exp" / "export.json").read_text())["counts"] == summary["counts"]
     cfg_path = tmp_path / "c.toml"
     cfg_path.write_text(to_toml(shapes_cfg(tmp_path / "exp", tmp_path / "store")))
-    assert main(["prepare", str(cfg_path), "--dry-run", "--no-progress"]) == 0
+    # the export holds a damaged file: 1 of 28 inputs over data.max_error_rate = 0.01 fails the real run, and the dry
+    # run fails the same way (it used to exit 0)
+    assert main(["prepare", str(cfg_path), "--dry-run", "--no-progress"]) == 2
+    assert "1 of 28 inputs could not be read or decoded" in capsys.readouterr().err
+    assert main(["prepare", str(cfg_path), "--dry-run", "--no-progress", "--set", "data.max_error_rate=0.05"]) == 0
     out = capsys.readouterr()
     dry = json.loads(out.out.strip().splitlines()[-1])
     assert dry["inputs"] == sum(dry["reasons"].values()) and dry["kept"] == dry["reasons"]["kept"]

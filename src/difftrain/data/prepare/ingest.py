@@ -106,8 +106,9 @@ def _numeric_scores(obj: dict[str, Any], skip: Iterable[str] = ()) -> dict[str, 
 
 
 def _decode_text(data: bytes) -> tuple[str | None, str]:
+    """A caption file's text: UTF-8, a byte-order mark (which editors on Windows write first) dropped."""
     try:
-        return data.decode("utf-8").strip(), ""
+        return data.decode("utf-8-sig").strip(), ""
     except UnicodeDecodeError:
         return None, "not UTF-8"
 
@@ -115,7 +116,7 @@ def _decode_text(data: bytes) -> tuple[str | None, str]:
 def _caption_from_json(data: bytes) -> tuple[str | None, str, dict[str, float]]:
     """(caption, caption_error, scores) from a JSON sidecar's bytes."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
         return None, "not UTF-8", {}
     try:
@@ -319,7 +320,7 @@ def _folder_scores(fs: Any, files: dict[str, str]) -> dict[str, float]:
         return {}
     data, _ = _cat(fs, files["scores.json"])
     try:
-        obj = json.loads(data.decode("utf-8")) if data is not None else None
+        obj = json.loads(data.decode("utf-8-sig")) if data is not None else None
     except (UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return _numeric_scores(obj) if isinstance(obj, dict) else {}
@@ -418,7 +419,7 @@ def _manifest_rows(name: str, fs: Any, path: str) -> Iterator[tuple[int, dict[st
             if not raw.strip():
                 continue
             try:
-                rec = json.loads(raw.decode("utf-8"))
+                rec = json.loads(raw.decode("utf-8-sig"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise _spec_error(name, "path", f"{ref}:{lineno + 1}: not a JSON object ({e})") from None
             if not isinstance(rec, dict):

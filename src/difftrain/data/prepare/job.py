@@ -26,6 +26,7 @@ import os
 import time
 from collections import Counter, defaultdict
 from typing import Any
+from pathlib import Path
 
 import numpy as np
 
@@ -41,7 +42,7 @@ from difftrain.data.prepare.plan import (PLAN_COLUMNS, encoder_counts, encoder_p
 from difftrain.errors import UserError
 
 log = logging.getLogger("difftrain")
-FAILED_RECORD = "curation.failed.parquet"    # the record of a prepare refused for its decode errors
+FAILED_RECORD = "curation.failed.parquet"    # the record of a prepare refused (decode errors, or nothing kept)
 
 
 # --------------------------------------------------------------------------- Ray
@@ -320,9 +321,12 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
         actors = encoder_plan(cfg.data, res.get("CPU", 0), res.get("GPU", 0))
     try:
         curated, stats = curated_dataset(cfg, specs)
-        if dry_run:
+        if dry_run:                 # the same checks as the real run, and the same error where it would fail
             summary = _curation_summary(reason_tally(curated)[0], stats)
             summary["seconds"] = round(time.perf_counter() - t0, 2)
+            problem = _curation_problem(cfg, summary)
+            if problem is not None:
+                raise UserError(f"{problem} (--dry-run: nothing was written)")
             return summary
         record = StagedRecord(store)
         record.recover()
@@ -332,12 +336,11 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
             record.write(curated, {"config": json.dumps(to_dict(cfg))})
             counts, words = reason_tally(curated, words=True)
             summary = _curation_summary(counts, stats)
-            n, bad = summary["inputs"], summary["decode_errors"]
-            if n and bad / n > cfg.data.max_error_rate:
+            problem = _curation_problem(cfg, summary)
+            if problem is not None:
                 failed = record.publish(FAILED_RECORD)
-                raise UserError(f"{bad} of {n} inputs could not be read or decoded ({bad / n:.1%} > "
-                                f"data.max_error_rate = {cfg.data.max_error_rate}); see {failed} for each one. Nothing "
-                                f"was written to the store (its {RECORD_NAME} is still the last successful prepare's).")
+                raise UserError(f"{problem}; see {failed} for each input and its reason. Nothing was written to the "
+                                f"store (its {RECORD_NAME} is still the last successful prepare's).")
             finished = _encode(cfg, store, stages, curated, words, summary, actors, overwrite=overwrite,
                                progress=progress, commit_every=commit_every, batch_size=batch_size, limit=limit)
             if finished:
@@ -351,6 +354,34 @@ def prepare(cfg, *, dry_run: bool = False, ray_address: str | None = None, overw
         raise
     summary.update(seconds=round(time.perf_counter() - t0, 2), store=store)
     return summary
+
+
+def _encoder_paths_absolute(cfg_dict: dict) -> dict:
+    """The config the encoder actors build from, its local encoder folders made absolute: a Ray worker does not run in
+    the directory the command ran in (nor on its machine, on a cluster: there the folders must be shared paths)."""
+    out = json.loads(json.dumps(cfg_dict))
+    for sec, key in (("autoencoder", "path"), ("text", "t5_path"), ("text", "clip_path")):
+        value = out[sec][key]
+        if value and "://" not in value and Path(value).exists():
+            out[sec][key] = str(Path(value).resolve())
+    return out
+
+
+def _curation_problem(cfg, summary: dict[str, Any]) -> str | None:
+    """Why curation's outcome cannot make a store (the same verdict for ``--dry-run`` and the real run), or None: more
+    unreadable inputs than ``data.max_error_rate`` allows, or no input kept at all (a store with nothing to train on:
+    ``train`` would only say that the store was built with other settings)."""
+    n, bad, kept = summary["inputs"], summary["decode_errors"], summary["kept"]
+    if n and bad / n > cfg.data.max_error_rate:
+        return (f"{bad} of {n} inputs could not be read or decoded ({bad / n:.1%} > data.max_error_rate = "
+                f"{cfg.data.max_error_rate})")
+    if not kept:
+        why = ", ".join(f"{reason}: {count}" for reason, count in sorted(summary["reasons"].items(),
+                                                                         key=lambda kv: -kv[1]))
+        return (f"curation kept none of the {n} inputs ({why or 'no inputs found in data.sources'}): relax the "
+                "filter named (data.filters; a 'size: min_side' reason is the images' shorter side under the filter's "
+                "min_side) or check the sources")
+    return None
 
 
 def _curation_summary(counts: dict[str, int], stats: dict) -> dict[str, Any]:
@@ -421,7 +452,8 @@ def _encode(cfg, store: str, stages, curated, words: set[str], summary: dict, ac
               .map_batches(_decode_batch, batch_size=batch_size, batch_format="numpy",
                            compute=TaskPoolStrategy(size=actors["decode_tasks"]),
                            memory=_decode_memory(stages, max(t["frames"] for t in tables.values()), batch_size))
-              .map_batches(_Encode, fn_constructor_args=(to_dict(cfg),), batch_size=batch_size, batch_format="numpy",
+              .map_batches(_Encode, fn_constructor_args=(_encoder_paths_absolute(to_dict(cfg)),), batch_size=batch_size,
+                           batch_format="numpy",
                            compute=ActorPoolStrategy(size=actors["encoder_actors"]), num_cpus=1,
                            num_gpus=1 if use_gpu else 0)
               .map_batches(_write_batch, fn_kwargs={"store": store, "tables": tables}, batch_size=batch_size,

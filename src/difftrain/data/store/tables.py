@@ -178,7 +178,10 @@ def from_bits(a: np.ndarray, dtype: str, keep: bool = False) -> torch.Tensor:
     half the bytes to pack and to copy to the GPU, where the trainer widens it)."""
     import torch
     if dtype == "bf16":
-        x = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+        a = np.ascontiguousarray(a)
+        if not a.flags.writeable:      # a view of a read-only Arrow buffer: a tensor over it could be written (UB)
+            a = a.copy()
+        x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return x if keep else x.float()
     return torch.from_numpy(np.ascontiguousarray(a).view(np.float32).copy())
 
