@@ -100,17 +100,19 @@ def to_diffusers_adapter(kind: str, factors: dict[str, dict[str, Tensor]], scale
     return out
 
 
-def export_adapter(checkpoint: str | Path, out: str | Path, weights: str = "ema", overwrite: bool = False) -> dict:
-    """Write a checkpoint's adapter (its EMA by default) in diffusers' format to the folder ``out``."""
+def export_adapter(checkpoint: str | Path, out: str | Path, weights: str = "auto", overwrite: bool = False) -> dict:
+    """Write a checkpoint's adapter (its EMA where the run kept one, by default) in diffusers' format to the folder
+    ``out``."""
     from safetensors.torch import save_file
 
-    from difftrain.export import WEIGHTS, _check_out, _publish, _read_metadata
+    from difftrain.export import WEIGHTS, _check_out, _publish, _read_metadata, weights_of
     from difftrain.train.adapters import spec_of_checkpoint
 
-    if weights not in WEIGHTS:
-        raise UserError(f"export --weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    if weights not in ("auto", *WEIGHTS):
+        raise UserError(f"export --weights {weights!r}: expected one of auto, {', '.join(WEIGHTS)}")
     info = Checkpointer.read_info(checkpoint)
     ckpt = Path(info["path"])
+    weights = weights_of(weights, info)
     if "adapter" not in info:
         raise UserError(f"{ckpt}: this run trained no adapter (adapter.kind = 'none'): export it without --adapter")
     out = Path(out)

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="difftrain", description="Train diffusion transformers (text-to-image, editing, keyframes).")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also show other packages' notices at import (torchao, diffusers, transformers)")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = sub.add_parser("demo", help="generate the shapes world, train shapes-tiny on this machine, sample, "
@@ -224,6 +226,8 @@ def cmd_train(args) -> int:
         # process (SIGABRT, "terminate called without an active exception") after a successful run.
         del trainer, env
         gc.collect()
+    if summary.get("interrupted"):
+        return 130               # stopped by Ctrl-C (128 + SIGINT), its checkpoint written
     return cfg.health.preempt_exit_code if summary.get("preempted") else 0
 
 
@@ -317,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     verbs = {"config": cmd_config, "plan": cmd_plan, "train": cmd_train, "dpo": cmd_train, "demo": cmd_demo,
              "prepare": cmd_prepare, "shapes": cmd_shapes, "bench": cmd_bench, **cli_align.VERBS, **cli_infer.VERBS}
+    from difftrain.quiet import quiet_third_party
+    quiet_third_party(verbose=args.verbose or args.debug)
     clean = False
     try:
         code = verbs[args.verb](args)

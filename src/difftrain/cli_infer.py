@@ -21,7 +21,8 @@ def add_parsers(sub) -> None:
                                    "any number of shards; or a diffusers FluxTransformer2DModel folder.")
     p.add_argument("checkpoint", help="checkpoint directory, RUN/checkpoints/latest, or a run directory")
     p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="EMA (default) or raw weights")
+    p.add_argument("--weights", choices=("auto", "ema", "raw"), default="auto",
+                   help="the EMA weights or the raw ones (default auto: the EMA where the run kept one, else raw)")
     p.add_argument("--layout", choices=("difftrain", "diffusers"), default="difftrain",
                    help="difftrain: model.safetensors + config.toml; diffusers: transformer/ in diffusers' layout")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",

@@ -205,16 +205,49 @@ def preview_grid(pipe: Pipeline, cfg, path, n: int = 4, write: bool = True, prom
     return caption_grid(rows, path) if write else path
 
 
-def preview_rows(pipe: Pipeline, cfg, n: int = 4, prompts: list[str] | None = None) -> list[tuple[list, str]]:
-    """``preview_grid``'s rows, (images, prompt) each, with fixed seeds (``sample.seed``): the same prompts and noise
-    every time, so two weights' rows differ only by the weights."""
+PREVIEW_MAX_SIDE = 1024       # a preview's default side: data.image_size, at most this
+
+
+@dataclass(frozen=True)
+class PreviewSpec:
+    prompt: str
+    width: int
+    height: int
+    seed: int
+    guidance: float
+
+
+def preview_specs(cfg, prompts: list[str] | None) -> list[PreviewSpec]:
+    """What the previews draw: ``preview.prompts`` (each with its own size, seed and guidance), else ``prompts`` (the
+    run's own captions or ``sample.prompts``' file) at ``preview.width`` x ``preview.height`` (default: data.image_size,
+    at most 1024 a side); the first ``preview.count``."""
+    p, s = cfg.preview, cfg.sample
+    width = p.width or min(cfg.data.image_size, PREVIEW_MAX_SIDE)
+    height = p.height or min(cfg.data.image_size, PREVIEW_MAX_SIDE)
+    items = p.prompts or [{"prompt": x} for x in (prompts or [])]
+    return [PreviewSpec(it["prompt"], int(it.get("width", width)), int(it.get("height", height)),
+                        int(it.get("seed", s.seed)), float(it.get("guidance", s.guidance))) for it in items[:p.count]]
+
+
+def preview_rows(pipe: Pipeline, cfg, n: int = 4, prompts: list[str] | None = None,
+                 on_step=None) -> list[tuple[list, str]]:
+    """``preview_grid``'s rows, (images, prompt) each, with fixed seeds (``sample.seed``, or each preview's own): the
+    same prompts and noise every time, so two weights' rows differ only by the weights. ``on_step(i)`` is called
+    before each sampler step of a prompted preview (a trainer beats its watchdog and checks for a stop there)."""
     from difftrain.shapes import world_from_config
 
     s, rows = cfg.sample, []
-    if prompts:
-        size = cfg.data.image_size
-        imgs = pipe.to_images(pipe.sample(pipe.blank_batch(prompts, size, size), s.steps, s.cfg_scale, seed=s.seed))
-        rows = [([imgs[b, 0]], p) for b, p in enumerate(prompts)]
+    specs = preview_specs(cfg, prompts)
+    if specs:
+        kept = pipe.guidance
+        try:
+            for spec in specs:          # one at a time: each its own size, seed and guidance
+                pipe.guidance = spec.guidance
+                lat = pipe.sample(pipe.blank_batch([spec.prompt], spec.height, spec.width), s.steps, s.cfg_scale,
+                                  seed=spec.seed, on_step=on_step)
+                rows.append(([pipe.to_images(lat)[0, 0]], spec.prompt))
+        finally:
+            pipe.guidance = kept
     else:
         world = world_from_config(cfg.data, cfg.eval.seed)
         for task in ("t2i", "edit", "keyframes"):

@@ -48,10 +48,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUP_BYTES = 1 << 30                                  # tensors read per DCP load (bounds the memory)
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "ema", layout: str = "difftrain",
+def weights_of(weights: str, info: dict[str, Any]) -> str:
+    """``--weights auto``: the EMA where the run kept one (train.ema_decay > 0), else the raw weights."""
+    if weights != "auto":
+        return weights
+    decay = ((info.get("config") or {}).get("train") or {}).get("ema_decay", 0)
+    return "ema" if isinstance(decay, (int, float)) and decay > 0 else "raw"
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "auto", layout: str = "difftrain",
                       dtype: str = "auto", overwrite: bool = False, group_bytes: int = GROUP_BYTES,
                       quant: str | None = None) -> dict[str, Any]:
-    """Write the ``weights`` ("ema" | "raw") of ``checkpoint`` (a checkpoint directory, a run directory or
+    """Write the ``weights`` ("ema" | "raw" | "auto": the EMA where the run kept one) of ``checkpoint`` (a checkpoint directory, a run directory or
     ``RUN/checkpoints/latest``) to the folder ``out`` in ``layout`` ("difftrain" | "diffusers"), cast to
     ``dtype`` ("fp32" | "bf16" | "auto": the dtype the run computed in, from its trainer.json, so a FLUX.1-dev
     fine-tune trained under bf16 autocast exports its 24 GB bf16 file; ``train.precision`` where an older checkpoint
@@ -63,7 +71,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
 
     Returns {"out", "tensors" (written), "bytes" (of tensor data written), "step", "weights", "layout",
     "shards" (safetensors files the tensors were read from), "quant" (when asked: the format, layers)}."""
-    for name, value, choices in (("weights", weights, tuple(WEIGHTS)), ("layout", layout, LAYOUTS),
+    for name, value, choices in (("weights", weights, ("auto", *WEIGHTS)), ("layout", layout, LAYOUTS),
                                  ("dtype", dtype, ("auto", *DTYPES))):
         if value not in choices:
             raise UserError(f"export --{name} {value!r}: expected one of {', '.join(choices)}")
@@ -75,6 +83,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, weights: str = "e
                             "tensors; a quantized export is written in the difftrain layout (--layout difftrain)")
     info = Checkpointer.read_info(checkpoint)
     ckpt = Path(info["path"])
+    weights = weights_of(weights, info)
     out = Path(out)
     _check_out(out, ckpt, overwrite)
     if not isinstance(info.get("config"), dict):

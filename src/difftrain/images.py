@@ -35,25 +35,40 @@ def write_png(img: np.ndarray, path: str | Path) -> Path:
     return p
 
 
-def caption_grid(rows: list[tuple[list[np.ndarray], str]], path: str | Path, scale: int = 3,
+GRID_MAX_PIXELS = 32_000_000     # a preview grid stays well under Pillow's decompression-bomb limits (89M, 179M)
+
+
+def caption_grid(rows: list[tuple[list[np.ndarray], str]], path: str | Path, scale: int = 0,
                  caption_width: int = 260) -> Path:
-    """One row per prompt: its images side by side (upscaled ``scale`` x, nearest), the caption on the left."""
-    if not rows:
-        raise ValueError("caption_grid needs at least one row")
+    """One row per prompt: its images side by side, the caption on the left. Small images are upscaled (nearest:
+    ``scale``, by default up to 3x while a cell stays within 192 pixels); images of any size share a cell of the
+    largest's size; a grid over ``GRID_MAX_PIXELS`` has its tiles scaled down to fit."""
+    if not rows or not any(imgs for imgs, _ in rows):
+        raise ValueError("caption_grid needs at least one row with an image")
     font = ImageFont.load_default()
-    h, w = rows[0][0][0].shape[:2]
-    cell_h, cell_w = h * scale, w * scale
+    h = max(img.shape[0] for imgs, _ in rows for img in imgs)
+    w = max(img.shape[1] for imgs, _ in rows for img in imgs)
+    zoom = float(scale or max(1, min(3, 192 // max(h, w))))
     ncols = max(len(imgs) for imgs, _ in rows)
     pad = 4
-    canvas = Image.new("RGB", (caption_width + ncols * (cell_w + pad) + pad, len(rows) * (cell_h + pad) + pad),
-                       (255, 255, 255))
+
+    def size(z: float) -> tuple[int, int]:
+        return (caption_width + ncols * (int(w * z) + pad) + pad, len(rows) * (max(int(h * z), 24) + pad) + pad)
+
+    total = size(zoom)[0] * size(zoom)[1]
+    if total > GRID_MAX_PIXELS:
+        zoom *= (GRID_MAX_PIXELS / total) ** 0.5 * 0.99
+    cell_h, cell_w = max(int(h * zoom), 24), int(w * zoom)
+    canvas = Image.new("RGB", size(zoom), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     for r, (imgs, caption) in enumerate(rows):
         y = pad + r * (cell_h + pad)
         lines = textwrap.wrap(caption or "(no prompt)", width=max(10, caption_width // 7))[: max(1, cell_h // 12)]
         draw.multiline_text((pad, y + 2), "\n".join(lines), fill=(0, 0, 0), font=font, spacing=2)
         for c, img in enumerate(imgs):
-            tile = Image.fromarray(np.asarray(img, dtype=np.uint8)).resize((cell_w, cell_h), Image.Resampling.NEAREST)
+            th, tw = max(1, int(img.shape[0] * zoom)), max(1, int(img.shape[1] * zoom))
+            resample = Image.Resampling.NEAREST if zoom >= 1 else Image.Resampling.BILINEAR
+            tile = Image.fromarray(np.asarray(img, dtype=np.uint8)).resize((tw, th), resample)
             canvas.paste(tile, (caption_width + pad + c * (cell_w + pad), y))
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -321,6 +321,21 @@ class SampleConfig:
 
 
 @dataclass
+class PreviewConfig:
+    count: int = meta("prompts a preview grid holds (the shapes world: examples of each task); each row shows the base "
+                      "(a fine-tune's), the current weights and the EMA side by side", ge=1, le=16, default=4)
+    width: int = meta("preview width in pixels (0 = data.image_size, at most 1024)", ge=0, le=4096, default=0)
+    height: int = meta("preview height in pixels (0 = data.image_size, at most 1024)", ge=0, le=4096, default=0)
+    prompts: list[dict] = meta("previews of your own: tables {prompt = '...', width = W, height = H, seed = S, "
+                               "guidance = G}, all but prompt optional (default preview.width/height, sample.seed, "
+                               "sample.guidance); the first preview.count are drawn. Empty: sample.prompts' file, else "
+                               "the run's own captions", factory=list)
+
+
+PREVIEW_KEYS = {"prompt": str, "width": int, "height": int, "seed": int, "guidance": float}
+
+
+@dataclass
 class EvalConfig:
     n: int = meta("prompts per task", ge=1, default=64)
     seed: int = meta("seed of the evaluation prompts and images (a world seed other than training's)", ge=0,
@@ -450,6 +465,7 @@ class Config:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    preview: PreviewConfig = field(default_factory=PreviewConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     health: HealthConfig = field(default_factory=HealthConfig)

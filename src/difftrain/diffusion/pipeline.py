@@ -74,10 +74,11 @@ class Pipeline:
                         self.text_encoder.tokenize(prompts), prompts, task or ("keyframes" if frames > 1 else "t2i"))
 
     def sample(self, batch: Batch, steps: int = 20, cfg_scale: float = 4.0, shift: float | None = None,
-               seed: int = 0, rows: slice | None = None, noise: Tensor | None = None) -> Tensor:
+               seed: int = 0, rows: slice | None = None, noise: Tensor | None = None, on_step=None) -> Tensor:
         """Generate the target frames of ``batch`` (its conditioning frames are kept); latents (B, F, C, H, W).
         ``rows``: generate only those examples, with the noise they get when the whole batch is generated.
-        ``noise``: the initial noise of every example instead (B, L, C), e.g. each drawn from its own seed."""
+        ``noise``: the initial noise of every example instead (B, L, C), e.g. each drawn from its own seed.
+        ``on_step(i)``: called before step i (it may raise to stop the sampling)."""
         batch = batch.to(self.device)
         if noise is not None:
             if tuple(noise.shape) != tuple(batch.x0_BLC.shape):
@@ -111,6 +112,14 @@ class Pipeline:
 
             def vel(x: Tensor, t: Tensor) -> Tensor:
                 return self.velocity(x, batch.ids_BL3, t, cond)
+
+        if on_step is not None:
+            inner, calls = vel, [0]
+
+            def vel(x: Tensor, t: Tensor) -> Tensor:     # noqa: F811 -- the same field, with the step callback
+                on_step(calls[0])
+                calls[0] += 1
+                return inner(x, t)
 
         gen = torch.Generator(device=self.device).manual_seed(seed)
         x = euler_sample(vel, batch.x0_BLC, batch.loss_mask_BL, steps, shift, gen, noise)

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import statistics
 import threading
 import time
@@ -121,10 +122,11 @@ class Watchdog:
 
 
 class Preemption:
-    """SIGTERM and SIGUSR1 (what SLURM sends ahead of a time limit with ``--signal``) set ``requested``;
-    installed only in the main thread."""
+    """SIGTERM and SIGUSR1 (what SLURM sends ahead of a time limit with ``--signal``) set ``requested``, and so does
+    SIGINT (Ctrl-C): the run stops after the step in flight with a checkpoint, as for a preemption. A second Ctrl-C
+    exits at once (KeyboardInterrupt). Installed only in the main thread."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.requested: str | None = None
@@ -136,8 +138,17 @@ class Preemption:
                 self._old[s] = signal.signal(s, self._handler)
         return self
 
+    @property
+    def interrupted(self) -> bool:
+        """The stop was asked for from the keyboard (not by a scheduler: no requeue)."""
+        return self.requested == "SIGINT"
+
     def _handler(self, signum, frame) -> None:
-        self.requested = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.requested is not None:
+            raise KeyboardInterrupt      # a second Ctrl-C: out now, the stop's checkpoint is not waited for
+        if signum == signal.SIGINT and self.requested is None:
+            sys.stderr.write("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to exit at once)\n")
+        self.requested = self.requested or signal.Signals(signum).name
 
     def uninstall(self) -> None:
         for s, h in self._old.items():

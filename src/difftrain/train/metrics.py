@@ -69,8 +69,10 @@ class MetricsLogger:
             return
         import numpy as np
         from PIL import Image
-        with Image.open(png) as im:
-            self._tb.add_image(tag, np.asarray(im.convert("RGB")), step, dataformats="HWC")
+        with Image.open(png) as im:          # our own grid, bounded by images.GRID_MAX_PIXELS
+            im = im.convert("RGB")
+            im.thumbnail((4096, 4096))        # TensorBoard keeps a copy of every image: at most 4096 a side
+            self._tb.add_image(tag, np.asarray(im), step, dataformats="HWC")
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

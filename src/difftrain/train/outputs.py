@@ -16,7 +16,7 @@ import torch
 from difftrain.data.batch import Batch
 from difftrain.diffusion.pipeline import Pipeline
 from difftrain.parallel.compile import compile_count
-from difftrain.parallel.dist import all_reduce_sum
+from difftrain.parallel.dist import agree, all_reduce_sum
 from difftrain.parallel.cp import cp_disabled
 from difftrain.parallel.flops import mfu
 from difftrain.train.metrics import peak_memory_gb
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from difftrain.train.trainer import Fetched, StepStats
 
 log = logging.getLogger("difftrain.train")
+
+
+class PreviewStopped(Exception):
+    """A stop was asked for while a preview sampled: the preview is abandoned on every rank."""
 
 
 class TrainerOutputs:
@@ -75,10 +79,35 @@ class TrainerOutputs:
         self.attention_missing |= missing
 
     def _sample(self) -> None:
+        """The step's preview grid (``train.sample_every``), after its checkpoint. A preview never ends a run: a failure
+        is a verdict every rank hears and logs, then training goes on; a stop asked for while it samples (a
+        preemption, Ctrl-C) abandons it at the next sampler step on every rank, and the stop follows the next step."""
         every = self.cfg.train.sample_every
-        if every and self.step % every == 0:
-            self.watchdog.beat(self.step, "sampling")
-            self.sample_grid(self.run_dir / "samples" / f"step_{self.step:08d}.png")
+        if not (every and self.step % every == 0) or self.previewed == self.step:
+            return
+        self.previewed = self.step
+        self.watchdog.beat(self.step, "sampling")
+        path = self.run_dir / "samples" / f"step_{self.step:08d}.png"
+        error = None
+        try:
+            self.sample_grid(path)
+        except PreviewStopped:
+            log.warning("preview at step %d abandoned: a stop was asked for while it sampled", self.step)
+            return
+        except Exception as e:  # noqa: BLE001 -- a preview is an output, never a reason to end the run
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        verdict = agree(error)           # rank 0 writes the grid alone: every rank hears how it went
+        if verdict is not None:
+            log.error("preview at step %d failed, training goes on: %s", self.step, verdict)
+            self.metrics.event("preview_failed", self.step, reason=verdict)
+
+    def _preview_step(self, i: int) -> None:
+        """Before each sampler step of a preview: a watchdog beat, and the stop flag over every rank (one small
+        all-reduce: all ranks abandon the preview together, so FSDP's gathers stay in step)."""
+        self.watchdog.beat(self.step, "sampling")
+        (stop,) = all_reduce_sum([1.0 if self.preemption.requested else 0.0], self.device)
+        if stop:
+            raise PreviewStopped(self.step)
 
     def _validate(self) -> None:
         """The flow-matching validation loss (``train.validation``) every ``validation.every`` steps and at the end,
@@ -234,7 +263,7 @@ class TrainerOutputs:
                  "base": self.adapter_base}, indent=1))
         return path
 
-    def sample_grid(self, path: Path, n: int = 4) -> Path:
+    def sample_grid(self, path: Path) -> Path:
         """A preview grid of the run's own prompts (``ConfiguredSource.preview_prompts``) at fixed seeds, each row the
         **base** model's images (a fine-tune's: the adapters disabled, or the weights as ``model.init_from`` gave them
         at step 0), the **current** weights' and their **EMA**'s side by side; on every rank (FSDP all-gathers need all
@@ -242,19 +271,26 @@ class TrainerOutputs:
         from difftrain.evaluate import preview_rows
         from difftrain.images import caption_grid
 
+        n = self.cfg.preview.count
         if self.preview_prompts is None:
-            self.preview_prompts = self.source.preview_prompts(3 * n) or []
+            self.preview_prompts = self.source.preview_prompts(n) or []
         self.checkpointer.wait_staged()          # the EMA swap below writes the parameters
         sets: list[tuple[str, list]] = []
         base = self._base_rows(n)
         if base is not None:
             sets.append(("base", base))
-        with cp_disabled(self.model):
-            self.model.eval()
-            sets.append(("now", preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)))
-            if self.ema is not None:
-                with self.ema.applied(self.model):
-                    sets.append(("EMA", preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)))
+        was = self.model.training
+        try:
+            with cp_disabled(self.model):
+                self.model.eval()
+                sets.append(("now", preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts,
+                                                 self._preview_step)))
+                if self.ema is not None:
+                    with self.ema.applied(self.model):
+                        sets.append(("EMA", preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts,
+                                                         self._preview_step)))
+        finally:
+            self.model.train(was)
         if not self.env.is_main:
             return path
         legend = " | ".join(name for name, _ in sets)
@@ -277,11 +313,13 @@ class TrainerOutputs:
             from difftrain.models.lora import adapters_disabled
             with cp_disabled(self.model), adapters_disabled(self.model["dit"]):
                 self.model.eval()
-                self.base_preview = preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)
+                self.base_preview = preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts,
+                                                 self._preview_step)
         elif self.cfg.model.init_from and self.step == 0:
             with cp_disabled(self.model):
                 self.model.eval()
-                self.base_preview = preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts)
+                self.base_preview = preview_rows(self.pipeline(), self.cfg, n, self.preview_prompts,
+                                                 self._preview_step)
             if self.env.is_main:
                 _save_rows(self.base_preview, keep)
         elif self.cfg.model.init_from and keep.is_file():
@@ -293,8 +331,18 @@ class TrainerOutputs:
         if (self.cfg.train.sample_every and self.cfg.model.init_from and self.adapter is None and self.step == 0
                 and self.objective.batch_kind == "samples"):
             if self.preview_prompts is None:
-                self.preview_prompts = self.source.preview_prompts(12) or []
-            self._base_rows(4)
+                self.preview_prompts = self.source.preview_prompts(self.cfg.preview.count) or []
+            error = None
+            try:
+                self._base_rows(self.cfg.preview.count)
+            except PreviewStopped:
+                return
+            except Exception as e:  # noqa: BLE001 -- as _sample: a preview never ends a run
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+            verdict = agree(error)
+            if verdict is not None:
+                log.error("the base's preview failed, training goes on: %s", verdict)
+                self.metrics.event("preview_failed", self.step, reason=verdict)
 
 
 def _save_rows(rows: list, path: Path) -> None:

@@ -181,6 +181,7 @@ class Trainer(TrainerOutputs):
         self.source, self.preview_prompts = source, None
         self.val_batches, self.val_values = None, None       # the validation set (shapes), the step's figures
         self.val_forwards = 0                                # this rank's micro-batches at the last validation
+        self.previewed = -1                                  # the step of the last preview grid
         self.base_preview = None                             # the base model's preview rows (a fine-tune's)
         self.loader = source.build(self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
                                    self.device, self.micro_batch)
@@ -530,12 +531,13 @@ class Trainer(TrainerOutputs):
                 last = fetched
                 if on_step is not None:
                     on_step(self.step, self.total_steps, stats)
-                self._sample()
                 self._validate()
                 preempted = self._stop_requested(stats)
                 if preempted is not None:
                     break
                 self._checkpoint()
+                if self.step < self.total_steps:
+                    self._sample()                        # after the step's checkpoint (the last step's: after the save)
                 self._log_step(stats, fetched)
                 if self._stop_early():
                     break
@@ -648,7 +650,13 @@ class Trainer(TrainerOutputs):
     def _finish(self, preempted: str | None, stats: StepStats | None, fetched: Fetched | None, t_start: float) -> dict:
         """The last checkpoint; on preemption the requeue marker, else the exported weights."""
         self.log_handler.step = self.step
-        if preempted is not None:
+        if preempted is not None and self.preemption.interrupted:      # Ctrl-C here: no scheduler to requeue
+            self.save(blocking=True)
+            self._log_step(stats, fetched, force=True)
+            self.metrics.event("interrupt", self.step, signal=preempted)
+            log.warning("interrupted (Ctrl-C): checkpoint at step %d written; the same command resumes from it",
+                        self.step)
+        elif preempted is not None:
             self.save(blocking=True)
             self._log_step(stats, fetched, force=True)
             if self.env.is_main:
@@ -658,6 +666,7 @@ class Trainer(TrainerOutputs):
                         preempted, self.step, REQUEUE_MARKER)
         elif self.step > 0:
             self.save(blocking=True)
+            self._sample()
             self.watchdog.beat(self.step, "export")
             self.export()
             log.info("finished: %d steps, %d skipped, %d rollbacks, %.1f s of training", self.step,
@@ -668,6 +677,7 @@ class Trainer(TrainerOutputs):
                 "wall_seconds": round(time.perf_counter() - t_start, 2), "tokens": self.tokens_seen,
                 "world_size": self.env.world, "skipped_steps": self.health.skipped_steps,
                 "rollbacks": self.health.rollbacks, "restarts": self.restarts, "preempted": preempted is not None,
+                "interrupted": preempted is not None and self.preemption.interrupted,
                 **({"attention_calls": dict(self.attention_calls)} if self.attention_kernel is not None else {})}
 
     def close(self) -> None:
