@@ -46,3 +46,17 @@ def run_ours_flux(model, x, ids, txt, pooled, t, guidance):
     with torch.no_grad():
         return model(x, ids.expand(B, -1, -1), txt, t, pooled, guidance,
                      txt_ids_BT3=torch.zeros(B, txt.shape[1], 3, dtype=ids.dtype))
+
+
+def fixed_dit_output(dit) -> torch.Tensor:
+    """The DiT's output on a fixed input (2 samples of 16 image tokens, 5 text tokens; seed 0), as the checkpoint
+    fixtures recorded it when they were written (``dit_output.safetensors``)."""
+    g = torch.Generator().manual_seed(0)
+    p = dit.params
+    x = torch.randn(2, 16, p.in_channels, generator=g)
+    ids = torch.randint(0, 4, (2, 16, 3), generator=g)
+    txt = torch.randn(2, 5, p.text_dim, generator=g)
+    pooled = torch.randn(2, p.pooled_dim, generator=g)
+    t = torch.rand(2, generator=g)
+    with torch.no_grad():
+        return dit(x, ids, txt, t, pooled)

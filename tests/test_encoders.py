@@ -14,6 +14,8 @@ from difftrain.models.autoencoder import DiffusersAE, PixelUnshuffleAE, build_au
 from difftrain.models.hf_text import HFTextEncoder
 from difftrain.models.text import PromptTooLong
 
+from tiny_flux import byte_unicode
+
 transformers = pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
 
@@ -21,22 +23,10 @@ PROMPTS = ["a red cube left of a blue ball", "hi"]
 MAX = 40
 
 
-def _byte_unicode() -> list[str]:
-    """GPT-2/CLIP byte-to-unicode table: one printable character per byte value."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
-
 def _tiny_clip_tokenizer():
     """A real CLIP BPE tokenizer over a tiny vocabulary: every byte (alone and word-final) plus two
     merges, so any prompt tokenizes (mostly to single bytes) with no download."""
-    chars = _byte_unicode()
+    chars = byte_unicode()
     vocab = {c: i for i, c in enumerate(chars)}
     vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
     merges = [("r", "e"), ("re", "d</w>")]

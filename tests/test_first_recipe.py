@@ -60,7 +60,7 @@ def test_the_base_is_read_whole_from_its_folder(inside):
     m, t, ae = cfg.model, cfg.text, cfg.autoencoder
     config = json.loads(Path("models/FLUX.1-dev/transformer/config.json").read_text())
     assert (m.hidden, m.heads, m.double_blocks, m.single_blocks) == (32, 2, 1, 1)
-    assert (m.text_dim, m.pooled_dim, m.in_channels) == (32, 24, 64)
+    assert (m.text_dim, m.pooled_dim, m.in_channels) == (32, 32, 64)
     assert m.axes_dims_rope == config["axes_dims_rope"] and m.guidance_embed is True
     assert t.t5_path == t.clip_path == "models/FLUX.1-dev"          # the root, where the tokenizers are
     assert ae.path == "models/FLUX.1-dev/vae"

@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["rate"]:            # everything after 'rate' is the rating app's (its own --help included)
-        args = argparse.Namespace(verb="rate", rest=argv[1:], debug=False)
+        args = argparse.Namespace(verb="rate", rest=argv[1:], debug=False, verbose=False)
     else:
         args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s",

@@ -13,7 +13,7 @@ ALWAYS_CHANGEABLE = ("run.out_dir", "parallel.", "train.steps", "train.minutes",
                      "train.metrics_port", "train.peak_tflops", "train.threads",
                      "train.compile", "train.export_dtype", "train.schedule_change",
                      "train.compile_cache", "train.micro_batch", "data.read_threads", "data.prefetch",
-                     "data.cache_dir", "data.cache_gb", "data.cache_lookahead", "data.max_error_rate", "sample.",
+                     "data.cache_dir", "data.cache_gb", "data.cache_lookahead", "data.max_error_rate", "sample.", "preview.",
                      "eval.", "health.", "data.encoder_actors", "data.encoder_device",
                      "attention.",      # a kernel computes the math kernel's attention within its tolerance
                      "validation.every", "validation.n", "validation.timesteps", "validation.seed",

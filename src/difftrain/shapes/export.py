@@ -152,6 +152,10 @@ def _assign_degraded(seed: int, task: str, n: int, fraction: float) -> dict[int,
     return {int(i): DEGRADED_KINDS[j % len(DEGRADED_KINDS)] for j, i in enumerate(sorted(perm))}
 
 
+SMALLEST_SOURCE = {"t2i": 0.25, "edit": 1.0, "keyframes": 1.0}   # the share of a task's scenes its smallest source holds
+STREAM_MARGIN = 1.5     # scenes a stream holds over its bucket's global batch, for the curation's spread
+
+
 def export_plan(cfg, epochs: float = EPOCHS, degraded: float = 0.15, align: int = TOKEN_PX) -> dict:
     """The export a training config needs: the scene sizes and aspects of its buckets (every stage's short sides
     and w/h ratios; a bucket's canvas must be what ``canvas_size`` makes of its short side and ratio), the
@@ -191,6 +195,22 @@ def export_plan(cfg, epochs: float = EPOCHS, degraded: float = 0.15, align: int 
     n = [max(64, int(np.ceil(samples * weights[t] / total / epochs / kept))) for t in ("t2i", "edit", "keyframes")]
     order = sorted(sizes)
     size_weights = tuple(per_size[z] / samples if samples else 1.0 / len(order) for z in order)
+    # However short the run, every stream it trains on (a stage's bucket x task x source) holds a global batch of
+    # its bucket after curation, with a margin: the loader leaves a smaller stream out of the plan, and a stage with
+    # none is refused. A scene lands at one size (by size_weights) and one of that size's aspects; the smallest
+    # source of a task holds SMALLEST_SOURCE of its scenes (t2i: the shards' quarter).
+    share = dict(zip(order, size_weights))
+    for i, stage in enumerate(stages):
+        end = stages[i + 1].start_step if i + 1 < len(stages) else steps
+        if min(end, steps) <= stage.start_step:
+            continue
+        for b in stage.buckets:
+            side = min(b.h, b.w)
+            fraction = share[side] / len(by_size[side]) * kept
+            for j, task in enumerate(("t2i", "edit", "keyframes")):
+                if weights[task] > 0 and fraction > 0:
+                    need = b.global_batch * STREAM_MARGIN / (fraction * SMALLEST_SOURCE[task])
+                    n[j] = max(n[j], int(np.ceil(need)))
     return {"n": tuple(n), "sizes": tuple(order), "size_weights": size_weights, "aspects": tuple(sorted(aspects)),
             "aspects_by_size": {z: tuple(sorted(by_size[z])) for z in order},
             "frames": d.frames, "motion": d.motion, "degraded": degraded, "align": align}
