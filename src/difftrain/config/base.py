@@ -18,7 +18,7 @@ from typing import Any
 
 from difftrain.errors import UserError
 
-# model.<key> <- the DiTParams field of the same name (params_from_diffusers_config)
+# model.<key> <- the field of the same name (model_keys_from_diffusers_config)
 MODEL_KEYS = ("in_channels", "text_dim", "pooled_dim", "hidden", "heads", "double_blocks", "single_blocks",
               "axes_dims_rope", "guidance_embed", "mlp_ratio", "qkv_bias", "rope_theta", "positions", "abs_pos_embed")
 DERIVED_WHEN_ZERO = ("in_channels", "text_dim", "pooled_dim")     # 0: 'take it from the encoders', never a contradiction
@@ -32,6 +32,25 @@ def _json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object")
     return data
+
+
+def model_keys_from_diffusers_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``[model]`` keys (DiTParams' fields) of a diffusers ``FluxTransformer2DModel`` config (its ``config.json``);
+    what diffusers' FLUX fixes (MLP ratio 4, q/k/v bias, RoPE theta 10000, positions from the corner, no absolute
+    position embedding) as such. Raises ValueError / KeyError / TypeError for a config FLUX's layout cannot be."""
+    if config.get("patch_size", 1) != 1:
+        raise ValueError(f"patch_size {config['patch_size']} is not supported: FLUX packs 2x2 patches "
+                         "outside the transformer (patch_size 1)")
+    out = config.get("out_channels") or config["in_channels"]
+    if out != config["in_channels"]:
+        raise ValueError(f"out_channels {out} != in_channels {config['in_channels']} is not supported")
+    heads, head_dim = int(config["num_attention_heads"]), int(config["attention_head_dim"])
+    return {"in_channels": int(config["in_channels"]), "text_dim": int(config["joint_attention_dim"]),
+            "pooled_dim": int(config["pooled_projection_dim"]), "hidden": heads * head_dim, "heads": heads,
+            "double_blocks": int(config["num_layers"]), "single_blocks": int(config["num_single_layers"]),
+            "mlp_ratio": 4.0, "axes_dims_rope": [int(a) for a in config["axes_dims_rope"]], "rope_theta": 10000.0,
+            "guidance_embed": bool(config.get("guidance_embeds", False)), "qkv_bias": True, "positions": "corner",
+            "abs_pos_embed": False}
 
 
 def transformer_folder(init_from: str) -> Path | None:
@@ -57,18 +76,15 @@ def resolve_base(cfg, user_keys: set[str], source: str) -> None:
     folder = transformer_folder(cfg.model.init_from)
     if folder is None:
         return
-    from difftrain.models.flux_adapter import params_from_diffusers_config
-
     config_path = folder / "config.json"
     try:
-        theirs = params_from_diffusers_config(_json(config_path))
+        theirs = model_keys_from_diffusers_config(_json(config_path))
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"model.init_from = {cfg.model.init_from!r}: {config_path} is not a FLUX transformer config "
                         f"this model can take ({type(e).__name__}: {e})") from None
     m = cfg.model
     for key in MODEL_KEYS:
-        value = getattr(theirs, key)
-        value = list(value) if isinstance(value, tuple) else value
+        value = theirs[key]
         mine = getattr(m, key)
         if f"model.{key}" in user_keys and mine != value and not (key in DERIVED_WHEN_ZERO and mine == 0):
             raise UserError(f"{source}: model.{key} = {mine!r} contradicts the base: {config_path} gives {value!r} "

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from difftrain.config.base import model_keys_from_diffusers_config
 from difftrain.models.dit import DiTParams
 
 # (ours, diffusers) for one-to-one renames; "{i}" is the block index.
@@ -72,20 +73,10 @@ def context_output_tensors(p: DiTParams) -> list[tuple[str, str]]:
 
 
 def params_from_diffusers_config(config: dict[str, Any]) -> DiTParams:
-    """DiTParams for a diffusers ``FluxTransformer2DModel`` config (its ``config.json`` as a dict)."""
-    if config.get("patch_size", 1) != 1:
-        raise ValueError(f"patch_size {config['patch_size']} is not supported: FLUX packs 2x2 patches "
-                         "outside the transformer (patch_size 1)")
-    out = config.get("out_channels") or config["in_channels"]
-    if out != config["in_channels"]:
-        raise ValueError(f"out_channels {out} != in_channels {config['in_channels']} is not supported")
-    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
-    return DiTParams(
-        in_channels=config["in_channels"], text_dim=config["joint_attention_dim"],
-        pooled_dim=config["pooled_projection_dim"], hidden=heads * head_dim, heads=heads,
-        double_blocks=config["num_layers"], single_blocks=config["num_single_layers"], mlp_ratio=4.0,
-        axes_dims_rope=tuple(config["axes_dims_rope"]), rope_theta=10000.0,
-        guidance_embed=bool(config.get("guidance_embeds", False)), qkv_bias=True)
+    """DiTParams for a diffusers ``FluxTransformer2DModel`` config (its ``config.json`` as a dict): the config's own
+    reading of a base folder (``config.base``), as the model's params."""
+    keys = model_keys_from_diffusers_config(config)
+    return DiTParams(**{**keys, "axes_dims_rope": tuple(keys["axes_dims_rope"])})
 
 
 def _swap_halves(t: Tensor) -> Tensor:
