@@ -53,8 +53,8 @@ def model_keys_from_diffusers_config(config: dict[str, Any]) -> dict[str, Any]:
             "abs_pos_embed": False}
 
 
-def transformer_folder(init_from: str) -> Path | None:
-    """The diffusers FLUX transformer folder ``init_from`` names (None: not one, or not there)."""
+def transformer_folder(init_from: str) -> tuple[Path, dict[str, Any]] | None:
+    """The diffusers FLUX transformer folder ``init_from`` names and its config (None: not one, or not there)."""
     if not init_from:
         return None
     p = Path(init_from)
@@ -62,8 +62,8 @@ def transformer_folder(init_from: str) -> Path | None:
     if not p.is_dir() or not config.is_file():
         return None
     data = _json(config)
-    return p if data.get("_class_name", "FluxTransformer2DModel") == "FluxTransformer2DModel" and \
-        "num_attention_heads" in data else None
+    flux = data.get("_class_name", "FluxTransformer2DModel") == "FluxTransformer2DModel" and "num_attention_heads" in data
+    return (p, data) if flux else None
 
 
 def pipeline_root(transformer: Path) -> Path | None:
@@ -73,12 +73,13 @@ def pipeline_root(transformer: Path) -> Path | None:
 
 def resolve_base(cfg, user_keys: set[str], source: str) -> None:
     """Fill the config's model, text and autoencoder keys from ``model.init_from``'s folder (in place)."""
-    folder = transformer_folder(cfg.model.init_from)
-    if folder is None:
+    found = transformer_folder(cfg.model.init_from)
+    if found is None:
         return
+    folder, config = found
     config_path = folder / "config.json"
     try:
-        theirs = model_keys_from_diffusers_config(_json(config_path))
+        theirs = model_keys_from_diffusers_config(config)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"model.init_from = {cfg.model.init_from!r}: {config_path} is not a FLUX transformer config "
                         f"this model can take ({type(e).__name__}: {e})") from None

@@ -541,11 +541,18 @@ def _stateless_params(model: nn.Module, optimizer, want: dict[str, Tensor], path
         saved = set(PlainReader(str(path)).read_metadata().state_dict_metadata)
     except Exception:  # noqa: BLE001 -- an unreadable checkpoint is reported by the load itself
         return []
+    def by_param(keys) -> dict[str, list[str]]:      # optim.state.<fqn>.<state name>: one pass, not one a parameter
+        out: dict[str, list[str]] = {}
+        for k in keys:
+            if k.startswith("optim.state."):
+                out.setdefault(k[len("optim.state."):].rsplit(".", 1)[0], []).append(k)
+        return out
+
+    wanted, held = by_param(want), by_param(saved)
     out = []
     for name, param in model.named_parameters():
-        prefix = f"optim.state.{name}."
-        keys = [k for k in want if k.startswith(prefix)]
-        if keys and param.requires_grad and not any(k.startswith(prefix) for k in saved):
+        keys = wanted.get(name)
+        if keys and param.requires_grad and name not in held:
             for k in keys:
                 del want[k]
             out.append(param)

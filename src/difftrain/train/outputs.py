@@ -87,16 +87,20 @@ class TrainerOutputs:
             return
         self.previewed = self.step
         self.watchdog.beat(self.step, "sampling")
-        path = self.run_dir / "samples" / f"step_{self.step:08d}.png"
+        self._guarded_preview(self.sample_grid, self.run_dir / "samples" / f"step_{self.step:08d}.png")
+
+    def _guarded_preview(self, render, *args) -> None:
+        """``render(*args)``, a preview, which never ends a run: a stop asked for while it samples abandons it, and a
+        failure (rank 0 writes the grid alone) is a verdict every rank hears and logs before training goes on."""
         error = None
         try:
-            self.sample_grid(path)
+            render(*args)
         except PreviewStopped:
             log.warning("preview at step %d abandoned: a stop was asked for while it sampled", self.step)
             return
         except Exception as e:  # noqa: BLE001 -- a preview is an output, never a reason to end the run
             error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
-        verdict = agree(error)           # rank 0 writes the grid alone: every rank hears how it went
+        verdict = agree(error)
         if verdict is not None:
             log.error("preview at step %d failed, training goes on: %s", self.step, verdict)
             self.metrics.event("preview_failed", self.step, reason=verdict)
@@ -332,17 +336,7 @@ class TrainerOutputs:
                 and self.objective.batch_kind == "samples"):
             if self.preview_prompts is None:
                 self.preview_prompts = self.source.preview_prompts(self.cfg.preview.count) or []
-            error = None
-            try:
-                self._base_rows(self.cfg.preview.count)
-            except PreviewStopped:
-                return
-            except Exception as e:  # noqa: BLE001 -- as _sample: a preview never ends a run
-                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
-            verdict = agree(error)
-            if verdict is not None:
-                log.error("the base's preview failed, training goes on: %s", verdict)
-                self.metrics.event("preview_failed", self.step, reason=verdict)
+            self._guarded_preview(self._base_rows, self.cfg.preview.count)
 
 
 def _save_rows(rows: list, path: Path) -> None:
