@@ -197,12 +197,12 @@ def test_each_refusal_is_one_line_naming_the_key(base, tmp_path, capsys, sets, k
 def test_dpo_adapter_kinds_need_the_lora_reference(tmp_path):
     from difftrain.train.adapters import check_adapter_config
 
-    cfg = load_config(None, ["adapter.kind=lokr", "dpo.reference=copy"])
+    dpo = ["dpo.init=ckpt"]                                 # a DPO config: refused when it is read
     with pytest.raises(UserError, match="dpo.reference"):
-        check_adapter_config(cfg, dpo=True)
-    spec = check_adapter_config(load_config(None, ["dpo.reference=lora", "dpo.lora_rank=8"]), dpo=True)
+        load_config(None, dpo + ["adapter.kind=lokr", "dpo.reference=copy"])
+    spec = check_adapter_config(load_config(None, dpo + ["dpo.reference=lora", "dpo.lora_rank=8"]), dpo=True)
     assert (spec.kind, spec.rank, spec.key) == ("lora", 8, "dpo")
-    spec = check_adapter_config(load_config(None, ["dpo.reference=lora", "adapter.kind=lokr"]), dpo=True)
+    spec = check_adapter_config(load_config(None, dpo + ["dpo.reference=lora", "adapter.kind=lokr"]), dpo=True)
     assert spec.kind == "lokr"
 
 

@@ -162,6 +162,8 @@ def validate(cfg: Config, source: str = "config") -> None:
         from difftrain.config.stages import parse_stages
         parse_stages(cfg, source)        # raises UserError naming the stage and key
     _check_previews(cfg, source)
+    from difftrain.config.refusals import check_buildable
+    check_buildable(cfg, source)         # combinations a run would refuse while building its model
 
 
 def _check_previews(cfg: Config, source: str) -> None:
