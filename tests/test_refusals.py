@@ -101,3 +101,54 @@ def test_a_stage_mixture_is_refused_with_the_shapes_source(capsys):
     mix = 'data.stages=[{name = "low", start_step = 0, buckets = [[48, 48]], mixture = {shapes-t2i = 1.0}}]'
     rc, err = show(capsys, [mix])
     assert rc == 2 and "mixture" in err[0] and "data.source = 'shapes'" in err[0] and "; set " in err[0], err
+
+
+# The property bench/config_space.py checks by training, here by the runtime's own checks that need no model: a
+# config that config show accepts passes them. Its draws are cheap (no model is built); the examples are the
+# configs that bench found refused after config show had accepted them.
+from hypothesis import example, given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def drawn_sets(draw) -> list[str]:
+    sets = [f"adapter.kind={draw(st.sampled_from(['none', 'lora', 'lokr']))}",
+            f"adapter.base_precision={draw(st.sampled_from(['bf16', 'fp8', 'nf4']))}",
+            f"adapter.export={draw(st.sampled_from(['adapter', 'merge']))}",
+            f"train.fp8={draw(st.sampled_from(['none', 'tensorwise']))}",
+            f"train.compile={str(draw(st.booleans())).lower()}",
+            f"parallel.cpu_offload={str(draw(st.booleans())).lower()}",
+            f"parallel.cp={draw(st.sampled_from([1, 2]))}",
+            f"parallel.dp_shard={draw(st.sampled_from([-1, 1, 3]))}",
+            f"train.micro_batch={draw(st.sampled_from([0, 4, 16]))}",
+            *draw(st.sampled_from([["model.hidden=192", "model.axes_dims_rope=[32, 32, 32]"],
+                                   ["model.hidden=200", "model.axes_dims_rope=[32, 34, 34]"]])), "model.heads=2"]
+    if draw(st.booleans()):
+        sets.append("model.init_from=/nowhere/base")
+    if draw(st.booleans()):
+        sets += DPO + [f"dpo.reference={draw(st.sampled_from(['copy', 'lora']))}",
+                       f"dpo.lora_export={draw(st.sampled_from(['adapter', 'merge']))}",
+                       f"dpo.replay_weight={draw(st.sampled_from([0, 1]))}"]
+    return sets
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(drawn_sets())
+def test_what_config_show_accepts_passes_the_runs_own_config_checks(sets):
+    from difftrain.config import load_config
+    from difftrain.errors import UserError
+    from difftrain.parallel.dist import check_layout
+    from difftrain.sources import ConfiguredSource
+    from difftrain.train.adapters import check_adapter_config
+    from difftrain.train.dpo import check_replay
+
+    try:
+        cfg = load_config(None, sets)
+    except UserError:
+        return                                                  # refused when read: fine
+    dpo = bool(cfg.dpo.init)
+    check_adapter_config(cfg, dpo)
+    if dpo:
+        check_replay(cfg)
+    world = max(cfg.parallel.cp, 1) * max(cfg.parallel.dp_shard, 1)
+    check_layout(cfg, world)
+    ConfiguredSource(cfg).shapes_stages()
