@@ -323,19 +323,25 @@ def test_a_quantized_base_holds_every_block_linear_quantized_and_trains_close_to
     whole in full precision; sampling rebuilds the same quantized base."""
     from difftrain.inference import load_pipeline
     from difftrain.models.base_quant import stored_bytes
+    from difftrain.models import base_quant
     from difftrain.train import build_trainer
-    from difftrain.train.trainer import Trainer
 
     whole = []                  # at each layer's quantization: how many base layers are allocated in full precision
-    quantize_one = Trainer._quantize_one
+    chosen = []                 # the factory's layers to quantize (the last build's)
+    choose, quantize = base_quant.base_layers, base_quant.quantize_layer
 
-    def counting(self, name):
-        if name in self.quantized:
+    def choosing(dit, precision):
+        chosen[:] = [choose(dit, precision)]
+        return chosen[0]
+
+    def counting(layer, precision):
+        if chosen and any(layer is m for m in chosen[0].values()):     # (not the device trial's small layer)
             whole.append(sum(type(m.weight.data) is torch.Tensor and not m.weight.is_meta
-                             for m in self.quantized.values()))
-        quantize_one(self, name)
+                             for m in chosen[0].values()))
+        quantize(layer, precision)
 
-    monkeypatch.setattr(Trainer, "_quantize_one", counting)
+    monkeypatch.setattr(base_quant, "base_layers", choosing)
+    monkeypatch.setattr(base_quant, "quantize_layer", counting)
 
     def first_loss(p, run):
         cfg = load_config(None, RUN + ADAPTED + WIDE + [f"model.init_from={base128}", "adapter.kind=lora",

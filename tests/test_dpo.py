@@ -415,7 +415,7 @@ def test_a_lora_dpo_checkpoint_of_the_older_layout_still_resumes_and_samples(wor
         pytest.skip("needs the pairs of test_pairs_by_majority_with_agreement_split_by_prompt")
     from difftrain.config import load_config
     from difftrain.train.checkpoint import Checkpointer
-    from difftrain.train.dpo import build_dpo_trainer
+    from difftrain.train import build_dpo_trainer
 
     monkeypatch.chdir(world)
     lora = ["dpo.reference=lora", "dpo.lora_rank=4", "dpo.lora_alpha=8", "dpo.validation_every=0"]

@@ -223,7 +223,7 @@ def test_with_lora_the_reference_is_the_policy_without_its_adapters():
     apply_lora(policy["dit"], 4, 4.0, ["qkv", "linear1"])
     policy["text"].requires_grad_(False)
 
-    class Reference:                   # what DPOTrainer hands the objective with dpo.reference = "lora"
+    class Reference:                   # what the DPO run hands the objective with dpo.reference = "lora"
         def __init__(self, d):
             self.d = d
 
@@ -252,13 +252,14 @@ def test_with_lora_the_reference_is_the_policy_without_its_adapters():
 
 
 def test_early_stopping_after_patience_validation_passes_without_gain():
-    from difftrain.config import load_config
-    from difftrain.train.dpo import DPOTrainer
+    from types import SimpleNamespace
 
-    t = DPOTrainer.__new__(DPOTrainer)              # the stopping rule alone, on a scripted validation
-    t.cfg = load_config(None, ["dpo.validation_every=2", "dpo.patience=2"])
+    from difftrain.config import load_config
+    from difftrain.train.dpo import DPO
+
+    t = DPO.__new__(DPO)                            # the stopping rule alone, on a scripted validation
     accs = iter([0.5, 0.6, 0.55, 0.6, 0.7])
-    t.validate = lambda: next(accs)
+    t.validate = lambda run: next(accs)
     t.val_best, t.val_bad_passes, t.val_history = None, 0, []
     logged = []
 
@@ -269,11 +270,10 @@ def test_early_stopping_after_patience_validation_passes_without_gain():
         def event(self, kind, step, **info):
             logged.append((step, kind))
 
-    t.metrics = Metrics()
+    run = SimpleNamespace(cfg=load_config(None, ["dpo.validation_every=2", "dpo.patience=2"]), metrics=Metrics())
     stops = []
     for step in range(1, 11):
-        t.step = step
-        stops.append(t._stop_early())
+        stops.append(t.stop_early(run, step))
         if stops[-1]:
             break
     assert len(stops) == 8 and stops[-1] and not any(stops[:-1])    # step 8: 0.55 then 0.6 do not beat 0.6

@@ -47,7 +47,7 @@ def test_dpo_with_frozen_text_encoders_encodes_each_prompt_once_and_never_runs_t
     from difftrain.data.store.tables import encoder_identity
     from difftrain.models.hf_text import HFTextEncoder
     from difftrain.train import build_trainer
-    from difftrain.train.dpo import build_dpo_trainer
+    from difftrain.train import build_dpo_trainer
 
     build_trainer(tiny_cfg(*_hf(tiny, "train.steps=2", "train.checkpoint_every=2")), tmp_path / "base").fit()
     pairs = _pairs_file(tmp_path)

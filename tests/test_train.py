@@ -217,8 +217,9 @@ def test_eval_judges_every_bucket_of_the_last_stage(tiny_cfg, monkeypatch):
     top level, each bucket under by_bucket."""
     from difftrain.diffusion.pipeline import Pipeline
     from difftrain.evaluate import EVAL_KEYS, eval_buckets, evaluate_buckets
-    from difftrain.models import build_autoencoder, build_model, build_text_encoder
+    from difftrain.models import build_autoencoder, build_text_encoder
     from difftrain.shapes.captions import vocabulary
+    from difftrain.train.build import Weights, build_model
     from difftrain.diffusion.flow import FlowSpec
 
     stages = ('[{name = "a", start_step = 0, buckets = [[32, 32]]}, '
@@ -227,7 +228,9 @@ def test_eval_judges_every_bucket_of_the_last_stage(tiny_cfg, monkeypatch):
     assert eval_buckets(cfg) == [("32x32", 32, (32, 32)), ("32x48", 32, (32, 48)), ("48x32", 32, (48, 32))]
     ae = build_autoencoder(cfg.autoencoder.kind, cfg.autoencoder.factor)
     text = build_text_encoder(cfg, vocabulary())
-    pipe = Pipeline(build_model(cfg, text, ae, "cpu").eval(), text, ae, FlowSpec.from_config(cfg.diffusion))
+    model = build_model(cfg, "policy", device=torch.device("cpu"), text_encoder=text, autoencoder=ae,
+                        weights=Weights.seed()).model
+    pipe = Pipeline(model.eval(), text, ae, FlowSpec.from_config(cfg.diffusion))
     shapes = []
     original = pipe.sample
     monkeypatch.setattr(pipe, "sample", lambda batch, *a, **k: shapes.append(batch.grid) or original(batch, *a, **k))

@@ -195,7 +195,7 @@ def cmd_train(args) -> int:
     from difftrain.parallel.dist import init_distributed, shutdown
     from difftrain.progress import run_training
     if args.verb == "dpo":
-        from difftrain.train.dpo import build_dpo_trainer as build_trainer
+        from difftrain.train import build_dpo_trainer as build_trainer
     else:
         from difftrain.train import build_trainer
 

@@ -14,7 +14,8 @@ from difftrain.shapes.loader import to_tensor
 from difftrain.diffusion.flow import FlowSpec
 from difftrain.diffusion.pipeline import Pipeline, amp_dtype, pick_device
 from difftrain.errors import UserError
-from difftrain.models import build_autoencoder, build_model, build_text_encoder
+from difftrain.models import build_autoencoder, build_text_encoder
+from difftrain.train.build import Weights, build_model, sampler_config
 from difftrain.train.checkpoint import Checkpointer
 
 log = logging.getLogger("difftrain")
@@ -56,47 +57,29 @@ def load_pipeline(checkpoint: str | Path, device: torch.device | None = None, us
     if sharded and quant:
         raise UserError(f"--quant {quant} samples on one device: a quantized model is not sharded over ranks "
                         "(launch without torchrun, or without --quant)")
+    adapted = "adapter" in info              # a run with an adapter: its checkpoint holds the adapters alone
+    if adapted and cfg.adapter.base_precision != "bf16" and sharded:
+        raise UserError(f"{info['path']}: trained on an {cfg.adapter.base_precision} base, which samples on one device "
+                        "(the quantized base is not sharded): launch without torchrun")
     env = None
     if sharded:                                  # under torchrun: the model sharded over the ranks (FSDP2)
         from difftrain.parallel.dist import init_distributed
-        env = init_distributed(_inference_config(cfg))
+        env = init_distributed(sampler_config(cfg, int(os.environ["WORLD_SIZE"])))
         device = env.device
     device = device or pick_device()
     ae = build_autoencoder(cfg.autoencoder.kind, cfg.autoencoder.factor, cfg.autoencoder.path,
                            cfg.autoencoder.scaling, cfg.autoencoder.shift)
     vocab = info.get("text_encoder", {}).get("vocabulary")
     text = build_text_encoder(cfg, vocab, device, base_words=int(info.get("text_encoder", {}).get("base_words", 0)))
-    adapted = "adapter" in info              # a run with an adapter: its checkpoint holds the adapters alone
-    quantized_base = adapted and cfg.adapter.base_precision != "bf16"
-    if quantized_base and sharded:
-        raise UserError(f"{info['path']}: trained on an {cfg.adapter.base_precision} base, which samples on one device "
-                        "(the quantized base is not sharded): launch without torchrun")
-    # a quantized base is built on the meta device and read a layer at a time (``load_base``): never whole in full
-    # precision on the device
-    model = build_model(cfg, text, ae, "meta" if sharded or quantized_base else device)
+    spec = None
     if adapted:
         from difftrain.train.adapters import spec_of_checkpoint
-        from difftrain.models.lora import apply_adapter
-        apply_adapter(model["dit"], spec_of_checkpoint(info))
-    elif "dpo" in info and cfg.dpo.reference == "lora":     # an older LoRA DPO run: adapters and base in its checkpoint
-        from difftrain.models.lora import apply_lora
-        apply_lora(model["dit"], cfg.dpo.lora_rank, cfg.dpo.lora_alpha, list(cfg.dpo.lora_targets))
-    if sharded:
-        from difftrain.parallel import parallelize
-        units, _ = parallelize(model, _inference_config(cfg), env, None, granularity="layer")
-        for unit in units:          # no backward follows: the root (embedders, head) need not stay gathered either
-            unit.set_reshard_after_forward(True)
-        model["dit"].to_empty(device=device)
-    if device.type == "cuda" and cfg.train.precision == "bf16" and not quantized_base:
-        model.to(torch.bfloat16)                 # bf16 weights on a GPU: half the memory; read in place below
-    # The checkpoint's weights are read into the model's own parameters (each rank's shards, when sharded): one
-    # copy of the model, not two.
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    if adapted:                             # the frozen base from where the run read it (its digest checked)
-        from difftrain.train.adapters import load_base
-        params = load_base(model, cfg, info, device)
-    Checkpointer.load_tensors(info["path"], "ema" if use_ema and cfg.train.ema_decay > 0 else "model", params)
-    model.eval().requires_grad_(False)
+        spec = spec_of_checkpoint(info)
+    # the factory: built on the meta device, the checkpoint's weights read into the model's own parameters (each
+    # rank's shards, when sharded: one copy of the model, not two); a quantized base read a layer at a time
+    prefix = "ema" if use_ema and cfg.train.ema_decay > 0 else "model"
+    model = build_model(cfg, "sampler", device=device, text_encoder=text, autoencoder=ae, env=env, adapter=spec,
+                        weights=Weights.checkpoint(info["path"], prefix, info)).model
     if adapters:
         from difftrain.adapter_export import fold_adapters
         info = {**info, "adapters": fold_adapters(model["dit"], list(adapters), "ema" if use_ema else "raw")}
@@ -136,17 +119,6 @@ def _install_attention(cfg: Config, model, device: torch.device, info: dict, amp
     shapes = load_cache(cache, cache_key(device, dtype_name(amp), True))
     if shapes:
         set_kernel(model, HybridKernel({k: r["winner"] for k, r in shapes.items()}))
-
-
-def _inference_config(cfg: Config) -> Config:
-    """The run's config for sampling on this launch: the model sharded over every rank (no replicas, no context
-    parallelism, no compilation), whatever mesh it was trained on."""
-    import dataclasses
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    par = dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=-1, cp=1, ac="none", cpu_offload=False)
-    train = dataclasses.replace(cfg.train, compile=False, global_batch=world, micro_batch=0)
-    data = dataclasses.replace(cfg.data, source="shapes", stages=[])
-    return dataclasses.replace(cfg, parallel=par, train=train, data=data)
 
 
 def request_batch(pipe: Pipeline, cfg: Config, prompts: list[str], edit_image=None, frames: int | None = None) -> Batch:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from difftrain.config.schema import Config
 from difftrain.errors import UserError
-from difftrain.models.autoencoder import Autoencoder, build_autoencoder
+from difftrain.models.autoencoder import build_autoencoder
 from difftrain.models.dit import DiTParams, MMDiT, num_params
 from difftrain.models.text import WordTextEncoder
 
@@ -69,15 +68,5 @@ def build_dit(params: DiTParams, init: str = "zero-out", device: torch.device | 
     return model
 
 
-def build_model(cfg: Config, text_encoder: nn.Module, autoencoder: Autoencoder,
-                device: torch.device | str = "cpu") -> nn.ModuleDict:
-    """The trainable module: {"dit"} plus {"text"} when the text encoder is trained with it."""
-    params = dit_params(cfg, autoencoder.latent_channels * 4, text_encoder.dim, text_encoder.pooled_dim)
-    modules = {"dit": build_dit(params, cfg.model.init, device, cfg.run.seed)}
-    if getattr(text_encoder, "trainable", False):
-        modules["text"] = text_encoder
-    return nn.ModuleDict(modules)
-
-
 __all__ = ["DiTParams", "MMDiT", "num_params", "build_text_encoder", "build_autoencoder", "build_dit",
-           "build_model", "dit_params", "config_dit_params"]
+           "dit_params", "config_dit_params"]

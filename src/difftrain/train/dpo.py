@@ -1,4 +1,5 @@
-"""``difftrain dpo``: Diffusion-DPO on the trainer (``Trainer`` with the ``DiffusionDPO`` objective).
+"""``difftrain dpo``: Diffusion-DPO on the trainer: the pairs source and the ``DPO`` objective (``DiffusionDPO`` with the
+hooks a DPO run adds, ``contract.RunHooks``); the entry point hands both to the trainer (``train.build_dpo_trainer``).
 
 The run starts from ``dpo.init`` (a difftrain checkpoint; its EMA weights with ``dpo.use_ema``) and trains on
 ``dpo.pairs``. The config's model, text encoder, autoencoder and diffusion sections must be the checkpoint's
@@ -12,23 +13,21 @@ as ``val_implicit_acc``; with ``dpo.patience`` the run stops once it has not imp
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from difftrain.config import Config, to_dict
 from difftrain.diffusion.flow import FlowSpec
 from difftrain.errors import UserError
-from difftrain.models import build_dit, build_text_encoder, dit_params
-from difftrain.models.lora import adapters_disabled, base_name, is_lora
-from difftrain.parallel import parallelize
+from difftrain.models.lora import adapters_disabled
 from difftrain.parallel.dist import all_reduce_sum
+from difftrain.train.build import Weights, build_model
 from difftrain.train.checkpoint import Checkpointer
-from difftrain.train.objectives import Denoiser, DiffusionDPO
-from difftrain.train.trainer import Trainer
+from difftrain.train.contract import Denoiser, RunView
+from difftrain.train.objectives import DiffusionDPO
+from difftrain.train.verification import reference_digest
 
 log = logging.getLogger("difftrain.train")
 
@@ -37,16 +36,15 @@ SAME_AS_INIT = ("model", "text", "autoencoder", "diffusion")
 
 
 def check_dpo_config(cfg: Config) -> dict:
-    """The starting checkpoint's metadata, after the checks that need no model: ``dpo.init`` and ``dpo.pairs``
-    set, no context parallelism, the architecture the checkpoint's."""
+    """The starting checkpoint's metadata, after the checks the verb needs: ``dpo.init`` and ``dpo.pairs`` set, the
+    architecture the checkpoint's (what the config alone decides -- no context parallelism, replay's data -- is
+    refused when it is read: ``config.refusals``)."""
     d = cfg.dpo
     if not d.init:
         raise UserError("dpo.init is empty: set it to the checkpoint DPO starts from (a run directory or a "
                         "checkpoint directory)")
     if not d.pairs:
         raise UserError("dpo.pairs is empty: set it to the pairs file 'difftrain pairs' wrote")
-    if cfg.parallel.cp != 1:
-        raise UserError(f"parallel.cp = {cfg.parallel.cp}: DPO compares whole samples' errors; use cp = 1")
     info = Checkpointer.read_info(d.init)
     theirs, ours = info.get("config", {}), to_dict(cfg)
     diff = [f"{sec}.{k}: checkpoint {theirs.get(sec, {}).get(k)!r}, config {v!r}"
@@ -56,14 +54,6 @@ def check_dpo_config(cfg: Config) -> dict:
                         f"{' ...' if len(diff) > 6 else ''}. Copy those sections from the checkpoint's "
                         f"config ({info['path']}/trainer.json)")
     return info
-
-
-def reference_digest(info: dict, weights: str) -> str:
-    """The starting checkpoint's identity: its completion marker (every file's size and checksum) and which of
-    its weights were taken."""
-    from difftrain.train.verification import checkpoint_digest
-
-    return hashlib.sha256(f"{checkpoint_digest(info['path'])}:{weights}".encode()).hexdigest()
 
 
 class PairsSource:
@@ -132,19 +122,6 @@ class PairsSource:
         return ReplayingPairs(loader, replay)
 
 
-def check_replay(cfg: Config) -> None:
-    """``dpo.replay_weight`` draws the base's kind of data from the config's data section: the shapes source only
-    (the store's loader sets its own batches per bucket, which do not line up with the pairs')."""
-    if cfg.dpo.replay_weight and cfg.data.source != "shapes":
-        raise UserError(f"dpo.replay_weight = {cfg.dpo.replay_weight} with data.source = {cfg.data.source!r}: replay "
-                        "draws from the shapes source only; set dpo.replay_weight = 0 (or data.source = 'shapes' "
-                        "for a model of the shapes world)")
-    if cfg.dpo.replay_weight and cfg.text.kind == "hf":
-        raise UserError("dpo.replay_weight with text.kind = 'hf': DPO trains a frozen encoder's runs from the pairs' "
-                        "cached states and releases the encoder, so replay samples could not be encoded; set "
-                        "dpo.replay_weight = 0")
-
-
 class ReplayingPairs:
     """The pairs loader with a replay source beside it: each pair micro-batch carries a micro-batch of the base's
     kind of training data (``Batch.replay``) of as many samples; both states are in the checkpoint, so a resumed
@@ -182,147 +159,121 @@ class PolicyWithoutAdapters:
     """The reference of a LoRA run: the policy's own ``Denoiser`` with its adapters disabled (the text encoder is
     frozen and shared)."""
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+    def __init__(self, policy: Denoiser):
+        self.policy = policy
 
     def embed_text(self, b):
-        return self.trainer.denoiser.embed_text(b)
+        return self.policy.embed_text(b)
 
     def __call__(self, *args, **kwargs):
-        policy = self.trainer.denoiser
-        with adapters_disabled(policy.dit):
-            return policy(*args, **kwargs)
+        with adapters_disabled(self.policy.dit):
+            return self.policy(*args, **kwargs)
 
 
-class DPOTrainer(Trainer):
-    """The trainer with a DPO objective's reference: built from ``init_info`` (the starting checkpoint), handed
-    to the objective, its digest in every checkpoint; plus validation and early stopping."""
+class DPO(DiffusionDPO):
+    """The DPO run's objective: ``DiffusionDPO`` plus what the run needs around it (``contract.RunHooks``): the policy
+    starts from ``init_info`` (the starting checkpoint; its EMA weights with ``dpo.use_ema``); the reference, built
+    once the policy is (a frozen copy of the starting weights, or the policy with its adapters disabled), is handed to
+    the loss; its digest is in every checkpoint and checked on resume; validation and early stopping."""
 
-    def __init__(self, cfg: Config, source: PairsSource, objective: DiffusionDPO, init_info: dict, run_dir=None,
-                 env=None, resume: bool = True, allow_config_change: tuple[str, ...] = ()):
-        self.init_info = init_info
+    starts_from_checkpoint = True
+
+    def __init__(self, cfg: Config, init_info: dict):
+        super().__init__(FlowSpec.from_config(cfg.diffusion), cfg.dpo.beta, None, cfg.dpo.sft_weight,
+                         cfg.dpo.replay_weight)
+        self.cfg, self.init_info = cfg, init_info
         has_ema = bool(init_info.get("config", {}).get("train", {}).get("ema_decay", 0))
         self.init_weights = "ema" if cfg.dpo.use_ema and has_ema else "model"
         self.reference_digest = reference_digest(init_info, self.init_weights)
         self.val_best, self.val_bad_passes, self.val_history = None, 0, []
-        super().__init__(cfg, source, objective, run_dir, env, resume, allow_config_change)
+        self.reference_model = None
 
     # --- the policy and the reference -------------------------------------------------------------
-    dpo_run = True
+    def adapter_spec(self, cfg: Config):
+        from difftrain.train.adapters import check_adapter_config
+        return check_adapter_config(cfg, dpo=True)
 
-    @property
-    def lora(self) -> bool:
-        """A run with an adapter (``dpo.reference = 'lora'``): its reference is the policy without it."""
-        return self.adapter is not None
+    def start_weights(self, cfg: Config) -> Weights:
+        return Weights.checkpoint(self.init_info["path"], self.init_weights)
 
-    def _build_model(self, fresh: bool) -> nn.ModuleDict:
-        model = super()._build_model(fresh)
-        # the policy starts as the reference; a resume reads its own weights instead, the frozen base of an adapter
-        # run apart (its checkpoints hold the adapters alone)
-        if fresh or self.lora:
-            self._load_init(model)
-        for name in self.quantized:           # adapter.base_precision fp8 / nf4: the base read, now quantized
-            self._quantize_one(name)
-        if self.lora:
-            self.reference = None
-            self.objective.reference = PolicyWithoutAdapters(self)
-        else:
-            self.reference = self._build_reference()
-            self.objective.reference = Denoiser(self.reference, self.reference_text, self.device, self.amp,
-                                                padding=self.cfg.text.padding)
-        return model
-
-    def _load_init(self, model: nn.ModuleDict) -> None:
-        params = {base_name(k): v.detach() for k, v in model.named_parameters() if not is_lora(k)}
-        Checkpointer.load_tensors(self.init_info["path"], self.init_weights, params)
-
-    def _adapter_base(self) -> dict:
+    def adapter_base(self, cfg: Config, run_dir, is_main: bool) -> dict:
         return {"source": self.init_info["path"], "digest": self.reference_digest, "weights": self.init_weights}
 
-    def _build_reference(self) -> nn.ModuleDict:
-        cfg = self.cfg
-        params = dit_params(cfg, self.autoencoder.latent_channels * 4, self.text_encoder.dim,
-                            self.text_encoder.pooled_dim)
-        modules = {"dit": build_dit(params, device="meta")}
-        if getattr(self.text_encoder, "trainable", False):      # a trained word encoder: the reference has its own
-            modules["text"] = build_text_encoder(cfg, PairsSource(cfg, self.init_info).vocabulary(), self.device)
-        ref = nn.ModuleDict(modules)
-        units, _ = parallelize(ref, cfg, self.env, self.amp)
-        for unit in units:          # no backward through it: the root need not stay gathered after its forward
-            unit.set_reshard_after_forward(True)
-        ref["dit"].to_empty(device=self.device)
-        if self.device.type == "cuda" and self.amp == torch.bfloat16:
-            ref.to(torch.bfloat16)
-        Checkpointer.load_tensors(self.init_info["path"], self.init_weights,
-                                  {k: v.detach() for k, v in ref.named_parameters()})
-        ref.eval().requires_grad_(False)
-        self.reference_text = ref["text"] if "text" in ref else self.text_encoder
-        return ref
+    def attach(self, run: RunView) -> None:
+        if run.adapter is not None:          # dpo.reference = 'lora': the policy without its adapters
+            self.reference = PolicyWithoutAdapters(run.denoiser)
+            return
+        cfg = run.cfg
+        text = run.text_encoder
+        if getattr(text, "trainable", False):      # a trained word encoder: the reference has its own
+            from difftrain.models import build_text_encoder
+            text = build_text_encoder(cfg, PairsSource(cfg, self.init_info).vocabulary(), run.device)
+        built = build_model(cfg, "reference", device=run.device, text_encoder=text, autoencoder=run.autoencoder,
+                            weights=Weights.checkpoint(self.init_info["path"], self.init_weights), env=run.env,
+                            amp=run.amp)
+        self.reference_model = built.model
+        self.reference = Denoiser(built.model, built.model["text"] if "text" in built.model else text, run.device,
+                                  run.amp, padding=cfg.text.padding)
 
     # --- checkpoint metadata and resume ------------------------------------------------------------
-    def _extra_state(self) -> dict:
+    def extra_state(self) -> dict:
         return {"dpo": {"init": self.init_info["path"], "weights": self.init_weights,
                         "reference_digest": self.reference_digest, "val_best": self.val_best,
                         "val_bad_passes": self.val_bad_passes, "val_history": self.val_history}}
 
-    def _resume(self, path: Path) -> None:
-        info = Checkpointer.read_info(path)
+    def check_resume(self, info: dict, path: Path) -> None:
         saved = info.get("dpo", {}).get("reference_digest")
         if saved != self.reference_digest:
             raise UserError(f"{path}: this DPO run's reference was {info.get('dpo', {}).get('init')!r} "
                             f"({str(saved)[:12]}...), the config's dpo.init is {self.init_info['path']!r} "
                             f"({self.reference_digest[:12]}...): resume with the reference it was trained against")
-        super()._resume(path)
+
+    def load_state(self, info: dict) -> None:
         d = info["dpo"]
         self.val_best, self.val_bad_passes = d.get("val_best"), int(d.get("val_bad_passes", 0))
         self.val_history = list(d.get("val_history", []))
 
     # --- validation and early stopping --------------------------------------------------------------
-    def validate(self) -> float | None:
+    def validate(self, run: RunView) -> float | None:
         """Implicit accuracy over the validation pairs (every rank's share; t and noise drawn with step 0, the
         same every pass)."""
-        batches = self.loader.validation_batches(self.env.dp_size)
+        batches = run.loader.validation_batches(run.env.dp_size)
         if not batches:
             return None
         correct = total = 0.0
-        self.model.eval()
+        run.model.eval()
         with torch.no_grad():
             for b, counts in batches:
-                micro = self.objective.loss(self.denoiser, b, self.cfg.run.seed, 0, float(b.pairs))
+                micro = self.loss(run.denoiser, b, run.cfg.run.seed, 0, float(b.pairs))
                 if counts:
                     correct += float(micro.stats[:, 0].sum())
                     total += float(len(micro.stats))
-        self.model.train()
-        correct, total = all_reduce_sum([correct, total], self.device)
+        run.model.train()
+        correct, total = all_reduce_sum([correct, total], run.device)
         return correct / total if total else None
 
-    def _stop_early(self) -> bool:
-        d = self.cfg.dpo
-        if not d.validation_every or self.step % d.validation_every:
+    def stop_early(self, run: RunView, step: int) -> bool:
+        d = run.cfg.dpo
+        if not d.validation_every or step % d.validation_every:
             return False
-        acc = self.validate()
+        acc = self.validate(run)
         if acc is None:
             return False
-        self.val_history.append([self.step, round(acc, 5)])
+        self.val_history.append([step, round(acc, 5)])
         improved = self.val_best is None or acc > self.val_best
         self.val_best = acc if improved else self.val_best
         self.val_bad_passes = 0 if improved else self.val_bad_passes + 1
-        self.metrics.log(self.step, {"val_implicit_acc": round(acc, 5), "val_best": round(self.val_best, 5)})
+        run.metrics.log(step, {"val_implicit_acc": round(acc, 5), "val_best": round(self.val_best, 5)})
         if d.patience and self.val_bad_passes >= d.patience:
-            self.metrics.event("early_stop", self.step, val_implicit_acc=acc, best=self.val_best,
-                               passes_without_gain=self.val_bad_passes)
+            run.metrics.event("early_stop", step, val_implicit_acc=acc, best=self.val_best,
+                              passes_without_gain=self.val_bad_passes)
             log.info("early stop at step %d: validation implicit accuracy %.4f, best %.4f, %d passes without gain",
-                     self.step, acc, self.val_best, self.val_bad_passes)
+                     step, acc, self.val_best, self.val_bad_passes)
             return True
         return False
 
 
-def build_dpo_trainer(cfg: Config, run_dir=None, env=None, resume: bool = True,
-                      allow_config_change: tuple[str, ...] = ()) -> DPOTrainer:
-    """The trainer ``difftrain dpo`` runs: the pairs source and the DiffusionDPO objective the config describes
-    (its reference attached once the trainer has built the policy)."""
+def dpo_run(cfg: Config) -> tuple[PairsSource, DPO]:
+    """The data source and objective ``difftrain dpo`` trains with (the trainer is the entry point's: ``train``)."""
     info = check_dpo_config(cfg)
-    check_replay(cfg)
-    objective = DiffusionDPO(FlowSpec.from_config(cfg.diffusion), cfg.dpo.beta, None, cfg.dpo.sft_weight,
-                             cfg.dpo.replay_weight)
-    return DPOTrainer(cfg, PairsSource(cfg, info), objective, info, run_dir, env, resume, allow_config_change)
+    return PairsSource(cfg, info), DPO(cfg, info)

@@ -1,7 +1,7 @@
-"""Training objectives. The trainer is given one; it says which batches it needs, the unit its loss is
-normalised by, one micro-batch's loss contribution and the names of its metrics. The math lives in
-``difftrain.diffusion``; the model call every objective shares (text encoding, context-parallel sharding,
-autocast, the FLOP count) is ``Denoiser``.
+"""Training objectives: flow matching, and Diffusion-DPO on preference pairs. The trainer is given one (the contract
+is ``contract.Objective``); it says which batches it needs, the unit its loss is normalised by, one micro-batch's loss
+contribution and the names of its metrics. The math lives in ``difftrain.diffusion``; the model call every objective
+shares (text encoding, context-parallel sharding, autocast, the FLOP count) is ``contract.Denoiser``.
 
 The numerics contract (DESIGN.md): every random draw is a function of (seed, step, sample id); a
 micro-batch's loss is its sum divided by the step's *global* count (``count`` summed over micro-batches
@@ -10,106 +10,19 @@ and ranks), so N ranks compute what one rank computes and a replay repeats the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from difftrain.data.batch import Batch
 from difftrain.diffusion.dpo import dpo_terms, summarize
 from difftrain.diffusion.flow import (FlowSpec, draw_t_and_noise, flow_loss, loss_weight, noisy_input, per_sample_error,
                                      to_velocity)
-from difftrain.diffusion.pipeline import autocast
-from difftrain.models.text import TextEmbedding, real_lengths
-from difftrain.parallel.cp import shard_sequence
-from difftrain.parallel.flops import step_flops
+from difftrain.train.contract import Denoiser, MicroLoss, RunHooks
+
+__all__ = ["Denoiser", "DiffusionDPO", "FlowMatching", "MicroLoss"]
 
 
-@dataclass
-class MicroLoss:
-    loss: Tensor          # this micro-batch's contribution to the step's loss (already divided by the global count)
-    tokens: int           # real (unpadded) tokens it trained on
-    flops: float          # its training FLOPs
-    stats: Tensor | None = None   # per-example statistics the objective logs (rows gathered over ranks), detached
-
-
-class Denoiser:
-    """The trainable model as objectives call it: the DiT on one micro-batch, with its text embedded (stored
-    states of frozen encoders, or the trained word encoder), under autocast, and, with context parallelism,
-    on this rank's 1/cp of every sequence (padding masked out of attention)."""
-
-    def __init__(self, model: nn.ModuleDict, text_encoder: nn.Module, device: torch.device,
-                 amp: torch.dtype | None, cp: int = 1, cp_rank: int = 0, padding: str = "masked"):
-        self.dit, self.text_encoder = model["dit"], text_encoder
-        self.device, self.amp, self.cp, self.cp_rank = device, amp, cp, cp_rank
-        self.masked = padding == "masked"      # text.padding: mask padding out of the DiT's attention
-
-    def on_device(self, batch: Batch) -> Batch:
-        b = batch.to(self.device, non_blocking=True)
-        b.x0_BLC = b.x0_BLC.float()      # the store serves bf16 latents as stored; widened on the device
-        return b
-
-    def embed_text(self, b: Batch) -> TextEmbedding:
-        if b.text is not None:           # embeddings of frozen encoders, read from the latent store
-            return b.text
-        with autocast(self.device, self.amp):
-            return self.text_encoder(b.tokens)
-
-    def local(self, x_BL: Tensor, fill: float | bool = 0) -> Tensor:
-        """This rank's part of a per-image-token tensor (the tensor itself without context parallelism)."""
-        return shard_sequence(x_BL, self.cp, self.cp_rank, fill)
-
-    def __call__(self, b: Batch, xt_BLC: Tensor, t_B: Tensor, emb: TextEmbedding) -> tuple[Tensor, Tensor]:
-        """The DiT's output on noisy tokens ``xt``, and ``xt`` as this rank holds it (``local``)."""
-        B = len(b)
-        # Guidance-distilled models (FLUX.1-dev) are fine-tuned with the embedded guidance at 1.
-        g = torch.ones(B, device=self.device) if self.dit.params.guidance_embed else None
-        txt, img_mask, ids, extent = emb.txt_BTD, None, b.ids_BL3, None
-        txt_mask = emb.mask_BT.to(self.device, non_blocking=True) if self.masked else None
-        if self.cp > 1:       # a rank holds part of each grid: 'centre' positions need the whole grid's extent
-            extent = b.ids_BL3[..., 1:].amax(dim=1) + 1
-            keep_t = txt_mask if txt_mask is not None else torch.ones(txt.shape[:2], dtype=torch.bool,
-                                                                       device=self.device)
-            ones_i = torch.ones(xt_BLC.shape[:2], dtype=torch.bool, device=self.device)
-            txt, txt_mask = self.local(txt), self.local(keep_t, False)
-            xt_BLC, ids, img_mask = self.local(xt_BLC), self.local(ids), self.local(ones_i, False)
-        with autocast(self.device, self.amp):
-            out = self.dit(xt_BLC, ids, txt, t_B, emb.pooled_BP, g, txt_mask_BT=txt_mask, img_mask_BL=img_mask,
-                           img_extent_B2=extent)
-        return out, xt_BLC
-
-    def cost(self, batch: Batch) -> tuple[int, float]:
-        """(real tokens, training FLOPs) of one forward/backward pass over the micro-batch, from its host-side
-        tensors (no device sync): the text positions the DiT attends ('masked': real tokens; 'padded': all)."""
-        L = batch.x0_BLC.shape[1]
-        if batch.text is not None:
-            T, lengths = batch.text.mask_BT.shape[1], batch.text.mask_BT.sum(1)
-        else:
-            first = next(iter(batch.tokens.values()))
-            T, lengths = first.shape[1], real_lengths(batch.tokens)
-        txt_real = lengths.tolist() if self.masked else [T] * len(batch)
-        flops = step_flops(self.dit.params, [(L, int(n)) for n in txt_real])
-        return len(batch) * L + int(sum(txt_real)), float(flops)
-
-
-class Objective(Protocol):
-    name: str
-    batch_kind: str        # what the data source must serve ("samples"; a pair objective asks for "pairs")
-
-    def count(self, batch: Batch) -> float:
-        """The unit the step's loss is divided by, in this micro-batch (summed over micro-batches and ranks)."""
-
-    def loss(self, model: Denoiser, batch: Batch, seed: int, step: int, normalizer: float | Tensor) -> MicroLoss:
-        """One micro-batch's loss contribution, for optimizer step ``step`` (0-based)."""
-
-    def metrics(self, loss: float, task: str, stats: Tensor | None = None) -> dict[str, float]:
-        """The values it logs for a step, by name, from the step's reduced loss; an objective whose ``MicroLoss``
-        carries ``stats`` is also given their rows from every micro-batch and rank (others are called with two
-        arguments, as before)."""
-
-
-class FlowMatching:
+class FlowMatching(RunHooks):
     """Rectified flow: x_t = (1 - t) x0 + t eps, the model's output read as a velocity (``diffusion.prediction``),
     the (optionally t-weighted) squared error against v = eps - x0 summed over target tokens, divided by
     the step's global target-token count. With a loss mask (``Batch.keep_BL``) every target token is noised and
@@ -143,7 +56,7 @@ class FlowMatching:
         return {"loss": loss, f"loss_{task}": loss}
 
 
-class DiffusionDPO:
+class DiffusionDPO(RunHooks):
     """Diffusion-DPO (``difftrain.diffusion.dpo``) on batches of preference pairs. Winner and loser share t and
     eps: both are drawn from the pair's id (``Batch.sample_ids`` holds it for both rows) with the step and seed.
     A step's loss is the sum of its pairs' losses divided by its global pair count (``count``: pairs, summed

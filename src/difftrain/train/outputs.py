@@ -5,7 +5,6 @@ inherits), apart from the loop so that each reads on its own."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from difftrain.train.metrics import peak_memory_gb
 from difftrain.train.schedule import lr_at
 
 if TYPE_CHECKING:
-    from difftrain.train.trainer import Fetched, StepStats
+    from difftrain.train.records import Fetched, StepStats
 
 log = logging.getLogger("difftrain.train")
 
@@ -117,7 +116,7 @@ class TrainerOutputs:
         """The flow-matching validation loss (``train.validation``) every ``validation.every`` steps and at the end,
         of the weights and of their EMA; kept for the step's metrics row (``_log_step`` writes it). The set is shared
         out over the data-parallel ranks and the sums added; a row any rank cannot read skips it on every rank."""
-        from difftrain.train.objectives import Denoiser
+        from difftrain.train.contract import Denoiser
         from difftrain.train.validation import per_grid_point, shapes_batches, shard, store_batches, validation_sums
 
         v = self.cfg.validation

@@ -13,12 +13,12 @@ produces beside its steps (metrics rows, previews, the pipeline, the export) is 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,52 +30,27 @@ from difftrain.data.batch import Batch
 from difftrain.diffusion.flow import FlowSpec
 from difftrain.diffusion.pipeline import amp_dtype
 from difftrain.errors import UserError
-from difftrain.models import build_autoencoder, build_dit, build_text_encoder, dit_params, num_params
-from difftrain.models.lora import base_name, is_adapter
-from difftrain.parallel import parallelize
-from difftrain.parallel.compile import compile_count, use_compile_cache
+from difftrain.models import build_autoencoder, build_text_encoder, num_params
+from difftrain.parallel.compile import compile_count
 from difftrain.parallel.dist import ParallelEnv, all_gather_rows, all_reduce_sum, all_reduce_sum_on_device, \
     batch_split, init_distributed, set_collective_timeout
 from difftrain.parallel.flops import peak_flops
-from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync, write_param
+from difftrain.parallel.fsdp import all_reduce_grads, clip_grad_norm, set_gradient_sync
 from difftrain.train import faults, phases
 from difftrain.train.budget import TimeBudget
-from difftrain.train.adapters import base_digest, base_quantized, check_same_base, frozen_to_bf16, \
-    keep_in_checkpoint
+from difftrain.train.adapters import check_same_base, keep_in_checkpoint
+from difftrain.train.build import build_model
 from difftrain.train.checkpoint import Checkpointer, SaveFailed
+from difftrain.train.contract import Denoiser, Objective, RunView
 from difftrain.train.ema import EMA
 from difftrain.train.health import JsonLogHandler, PreemptLead, Preemption, StepHealth, Watchdog, run_id, \
     write_requeue_marker, REQUEUE_MARKER
 from difftrain.train.metrics import MetricsLogger
-from difftrain.train.objectives import Denoiser, Objective
 from difftrain.train.outputs import TrainerOutputs
+from difftrain.train.records import Fetched, StepStats
 from difftrain.train.schedule import lr_at
 
 log = logging.getLogger("difftrain.train")
-
-
-@dataclass
-class StepStats:
-    loss: float
-    grad_norm: float
-    lr: float
-    tokens: int = 0          # real (unpadded) tokens of the global batch
-    samples: int = 0
-    flops: float = 0.0       # DiT training FLOPs of the global batch
-    skipped: bool = False    # non-finite loss or gradient: no update
-    stop: bool = False       # some rank was asked to stop (preemption): every rank stops after this step
-    fwd_bwd_s: float = 0.0
-    optim_s: float = 0.0
-    wait_s: float = 0.0      # time in the step's explicit collectives (a straggler waits least)
-    rows: torch.Tensor | None = None   # the objective's per-example statistics, every rank's (on the device)
-
-
-@dataclass
-class Fetched:
-    batches: list[Batch]
-    t0: float                # when the step began
-    data_s: float            # time to take them from the source (with any injected fault)
-    step_s: float = 0.0      # time of the optimizer step on them
 
 
 def dropout_seed(seed: int, step: int, rank: int, micro: int) -> int:
@@ -148,7 +123,7 @@ class Trainer(TrainerOutputs):
         if vocab is None and cfg.text.kind == "words":
             vocab = source.vocabulary()
             split = int(getattr(source, "base_words", 0))      # a DPO run's start: its checkpoint's split
-            if cfg.model.init_from and not self.dpo_run:
+            if cfg.model.init_from and not self.objective.starts_from_checkpoint:
                 from difftrain.parallel.words_init import base_vocabulary, extended
                 self.base_words = base_vocabulary(cfg.model.init_from)
                 if self.base_words is not None:          # its words keep their ids; the data's new ones follow
@@ -158,9 +133,11 @@ class Trainer(TrainerOutputs):
         # their states feeds training (previews, eval and candidates build them when they run).
         self.text_encoder = build_text_encoder(cfg, vocab, self.device, lazy=True, on_build=self._encoders_built,
                                                base_words=split)
+        self.adapter = self.objective.adapter_spec(cfg)
         self.model = self._build_model(found is None)
         self.dit = self.model["dit"]
-        self.adapter_base = self._adapter_base() if self.adapter is not None else None
+        self.adapter_base = (self.objective.adapter_base(cfg, self.run_dir, self.env.is_main)
+                             if self.adapter is not None else None)
         self.checkpoint_keys = keep_in_checkpoint(self.model)      # a frozen base: the adapters alone
         self.dropout_seeded = self.adapter is not None and self.adapter.dropout > 0
         from difftrain.parallel.tune import install as install_attention
@@ -185,6 +162,9 @@ class Trainer(TrainerOutputs):
         self.base_preview = None                             # the base model's preview rows (a fine-tune's)
         self.loader = source.build(self.autoencoder, self.text_encoder, self.env.dp_rank, self.env.dp_size,
                                    self.device, self.micro_batch)
+        self.view = RunView(cfg, self.env, self.device, self.amp, self.run_dir, self.model, self.text_encoder,
+                            self.autoencoder, self.denoiser, self.loader, self.metrics, self.adapter, self.quantized)
+        self.objective.attach(self.view)          # what the objective builds beside the policy (DPO: its reference)
         if hasattr(self.loader, "fault_hook"):       # DIFFTRAIN_FAULTS=unreadable@STEP: a row read as damaged
             self.loader.fault_hook = faults.unreadable_at
         # A loader that builds steps on the host (the shapes world) builds the next one during the backward pass
@@ -247,73 +227,20 @@ class Trainer(TrainerOutputs):
         return info
 
     def _build_model(self, fresh: bool) -> nn.ModuleDict:
-        """The DiT is built on the meta device, wrapped (CP, AC, compile, FSDP), then materialised and
-        initialised shard by shard, so no rank ever holds the unsharded model. The initial weights depend
-        only on the seed (per-parameter generators), not on the world size or mesh."""
-        cfg = self.cfg
-        params = dit_params(cfg, self.autoencoder.latent_channels * 4, self.text_encoder.dim,
-                            self.text_encoder.pooled_dim)
-        modules = {"dit": build_dit(params, device="meta")}
-        if getattr(self.text_encoder, "trainable", False):
-            modules["text"] = self.text_encoder
-        model = nn.ModuleDict(modules)
-        self._adapt(model)
-        from difftrain.parallel.fp8 import apply_fp8
-        self.fp8_layers = apply_fp8(model["dit"], cfg.train.fp8, self.device)
-        if cfg.train.compile and cfg.train.compile_cache != "off":
-            use_compile_cache(cfg.train.compile_cache or self.run_dir / "compile_cache")
-        # a quantized frozen base (adapter.base_precision): its block linears stay whole on every rank, quantized
-        # one by one as they are read
-        self.quantized = base_quantized(model["dit"], cfg, self.adapter, self.device)
-        if self.adapter is not None and self.amp == torch.bfloat16:
-            frozen_to_bf16(model["dit"], set(self.quantized))    # 2 bytes a frozen weight, not fp32 master copies
-        self.fsdp_units, self.replicated = parallelize(model, cfg, self.env, self.amp,
-                                                       ignored=[m.weight for m in self.quantized.values()])
-        dit = model["dit"]
-        # every DiT parameter is read from model.init_from (checked), the adapters' apart; with adapters the frozen
-        # base is read on every start (a checkpoint holds the adapters alone)
-        # (a DPO run's weights come from dpo.init, its own loading)
-        pretrained = bool(cfg.model.init_from) and not self.dpo_run and (fresh or self.adapter is not None)
-        # a quantized base read from model.init_from stays on the meta device here: each layer is allocated when its
-        # first rows are read (``_materialize``) and quantized once whole, so the base is never whole in full
-        # precision on the device (``to_empty`` would allocate all of it: 48 GB for a 12B base in fp32, twice the
-        # GPU a quantized base is meant to fit)
-        lazy = pretrained and bool(self.quantized)
-        from difftrain.models.base_quant import to_empty_but
-        to_empty_but(dit, self.quantized if lazy else {},
-                     "cpu" if cfg.parallel.cpu_offload and self.fsdp_units else self.device)
-        if self.quantized and self.device.type == "cpu":
-            from difftrain.models.base_quant import mmap_large_allocations
-            mmap_large_allocations()        # the base's read-through weights and dequantized pieces, returned
-        with torch.no_grad():
-            dit.init_weights(cfg.model.init, cfg.run.seed, write_param,
-                             only=is_adapter if pretrained else (lambda n: base_name(n) not in self.quantized) if self.quantized
-                             else None)
-        if pretrained:
-            from difftrain.parallel.pretrained import load_pretrained
-            report = load_pretrained(dit, cfg.model.init_from, on_loaded=self._quantize_one,
-                                     materialize=self._materialize if lazy else None)
-            log.info("initialised from %s (%s)", cfg.model.init_from, report)
-            if fresh and self.base_words is not None and "text" in model:
-                from difftrain.parallel.words_init import load_word_encoder
-                words = load_word_encoder(model["text"], cfg.model.init_from, self.base_words)
-                log.info("word encoder from %s: %s", cfg.model.init_from, words)
-            if self.quantized and self.device.type == "cpu":
-                from difftrain.models.base_quant import release_freed_memory
-                release_freed_memory()      # the full-precision weights the base was read through
-        return model
-
-    def _materialize(self, name: str) -> torch.Tensor:
-        """A quantized base layer's weight, still on the meta device, allocated on this device to be read into."""
-        from difftrain.models.base_quant import allocate
-        return allocate(self.quantized[name], self.device)
-
-    def _quantize_one(self, name: str) -> None:
-        """A base weight is whole: quantize its layer now (with adapter.base_precision fp8 or nf4)."""
-        layer = self.quantized.get(name)
-        if layer is not None:
-            from difftrain.models.base_quant import quantize_layer
-            quantize_layer(layer, self.cfg.adapter.base_precision)
+        """The policy from the factory (``build.build_model``): built on the meta device, adapters injected, wrapped
+        (CP, AC, compile, FSDP), then materialised and initialised shard by shard, so no rank ever holds the
+        unsharded model; its weights seeded (per-parameter generators: the same on any world size or mesh) or read
+        from where the objective says (``model.init_from``; DPO's starting checkpoint)."""
+        start = self.objective.start_weights(self.cfg)
+        # with adapters the frozen base is read on every start (a checkpoint holds the adapters alone); a resume
+        # reads every other tensor from the checkpoint
+        weights = dataclasses.replace(start, read=fresh)
+        built = build_model(self.cfg, "policy", device=self.device, text_encoder=self.text_encoder,
+                            autoencoder=self.autoencoder, weights=weights, env=self.env, amp=self.amp,
+                            adapter=self.adapter, run_dir=self.run_dir, base_words=self.base_words)
+        self.adapter_layers, self.quantized, self.fp8_layers = built.adapter_layers, built.quantized, built.fp8_layers
+        self.fsdp_units, self.replicated = built.units, built.replicated
+        return built.model
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (or Muon for the blocks' matrices, ``train.optimizer``), with groups by weight decay, and sharded
@@ -371,10 +298,11 @@ class Trainer(TrainerOutputs):
         return newest
 
     def _resume(self, path: Path) -> None:
+        self.objective.check_resume(Checkpointer.read_info(path), path)
         if self.adapter is not None:
             saved = Checkpointer.read_info(path).get("adapter_base")
-            if not (saved is None and self.dpo_run):     # an older DPO checkpoint: its reference digest is the base's
-                check_same_base(saved, self.adapter_base, path)
+            if not (saved is None and self.objective.starts_from_checkpoint):   # an older DPO checkpoint: its
+                check_same_base(saved, self.adapter_base, path)                 # reference digest is the base's
         info = Checkpointer.load(path, self.model, self.optimizer, self.ema, keep=self.checkpoint_keys)
         for group in self.optimizer.param_groups:   # the saved groups carry the saver's step kind: this mesh's own
             group.update(self.optimizer_kind)
@@ -389,6 +317,7 @@ class Trainer(TrainerOutputs):
         self.train_seconds = float(info.get("train_seconds", 0.0))
         self.samples_seen = int(info.get("samples_seen", 0))
         self.restarts = int(info.get("restarts", 0))
+        self.objective.load_state(info)
         log.info("resumed from %s at step %d", path, self.step)
 
     def _checkpoint_event(self, kind: str, step: int, **info) -> None:
@@ -408,7 +337,7 @@ class Trainer(TrainerOutputs):
                  "num_params": {"dit": num_params(self.dit), "total": num_params(self.model)},
                  **({"adapter": self.adapter.describe(), "adapter_layers": self.adapter_layers,
                      "adapter_base": self.adapter_base} if self.adapter is not None else {}),
-                 **self._extra_state()}
+                 **self.objective.extra_state()}
         if self.watchdog is not None:
             self.watchdog.beat(self.step, "checkpoint")
         self.last_save = self.checkpointer.save(self.step, self.model, self.optimizer, self.ema, extra, blocking,
@@ -539,7 +468,7 @@ class Trainer(TrainerOutputs):
                 if self.step < self.total_steps:
                     self._sample()                        # after the step's checkpoint (the last step's: after the save)
                 self._log_step(stats, fetched)
-                if self._stop_early():
+                if self.objective.stop_early(self.view, self.step):
                     break
             return self._finish(preempted, stats, last, t_start)
         except BaseException:
@@ -548,30 +477,6 @@ class Trainer(TrainerOutputs):
             self.watchdog.stop()
             self.preemption.uninstall()
             raise
-
-    # --- what a trainer of another objective adds (DPO: its reference, validation and early stopping) ------
-    dpo_run = False         # DPO's trainer: dpo.reference = 'lora' is an adapter too
-
-    def _adapt(self, model: nn.ModuleDict) -> None:
-        """Change the model as built on the meta device, before it is wrapped and materialised: a run with an
-        adapter injects it and freezes the base here."""
-        from difftrain.train.adapters import adapt, check_adapter_config
-
-        self.adapter = check_adapter_config(self.cfg, self.dpo_run)
-        self.adapter_layers = adapt(self.cfg, model, self.adapter)
-
-    def _adapter_base(self) -> dict:
-        """The frozen base's identity, kept in every checkpoint and checked on resume."""
-        return base_digest(self.cfg, self.run_dir, self.env.is_main)
-
-    def _extra_state(self) -> dict:
-        """More of the trainer's state for the checkpoint's metadata."""
-        return {}
-
-    def _stop_early(self) -> bool:
-        """After a step (logged and checkpointed as due): end the run now, as if its step count were reached.
-        Every rank must return the same."""
-        return False
 
     def _begin(self) -> None:
         self.tokens_seen = 0

@@ -179,3 +179,11 @@ def checkpoint_digest(path: str | Path) -> str:
     import hashlib
 
     return hashlib.sha256((Path(path) / MARKER).read_bytes()).hexdigest()
+
+
+def reference_digest(info: dict, weights: str) -> str:
+    """The starting checkpoint's identity: its completion marker (every file's size and checksum) and which of
+    its weights were taken (a DPO run's reference, and the frozen base of its adapters)."""
+    import hashlib
+
+    return hashlib.sha256(f"{checkpoint_digest(info['path'])}:{weights}".encode()).hexdigest()
