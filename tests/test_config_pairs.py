@@ -65,7 +65,7 @@ FAILS: dict[int, str] = {}
 
 
 def allowed(r: dict) -> bool:
-    """What the schema and the trainer's start-up checks accept together (train/adapters.py, train/dpo.py)."""
+    """What the schema accepts (config/refusals.py: refused when the config is read)."""
     if r["base"] != "bf16" and r["adapter"] == "none":      # only a frozen base is quantized
         return False
     if r["fp8"] != "none" and r["adapter"] != "none":       # float8 training converts the linears an adapter wraps

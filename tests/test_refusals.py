@@ -104,9 +104,10 @@ def test_a_stage_mixture_is_refused_with_the_shapes_source(capsys):
 
 
 # The property bench/config_space.py checks by training, here by the runtime's own checks that need no model: a
-# config that config show accepts passes them. Its draws are cheap (no model is built); the examples are the
-# configs that bench found refused after config show had accepted them.
-from hypothesis import example, given, settings, strategies as st  # noqa: E402
+# config that config show accepts passes them. Its draws are cheap (no model is built). A config the bench finds
+# refused after config show accepted it becomes an @example here (none so far: 200 draws, seed 0,
+# bench/results/config_space_cpu2_2026-12-07.json).
+from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @st.composite
@@ -139,7 +140,6 @@ def test_what_config_show_accepts_passes_the_runs_own_config_checks(sets):
     from difftrain.parallel.dist import check_layout
     from difftrain.sources import ConfiguredSource
     from difftrain.train.adapters import check_adapter_config
-    from difftrain.train.dpo import check_replay
 
     try:
         cfg = load_config(None, sets)
@@ -147,8 +147,6 @@ def test_what_config_show_accepts_passes_the_runs_own_config_checks(sets):
         return                                                  # refused when read: fine
     dpo = bool(cfg.dpo.init)
     check_adapter_config(cfg, dpo)
-    if dpo:
-        check_replay(cfg)
     world = max(cfg.parallel.cp, 1) * max(cfg.parallel.dp_shard, 1)
     check_layout(cfg, world)
     ConfiguredSource(cfg).shapes_stages()

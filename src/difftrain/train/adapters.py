@@ -24,33 +24,16 @@ log = logging.getLogger("difftrain.train")
 
 
 def check_adapter_config(cfg: Config, dpo: bool = False) -> AdapterSpec | None:
-    """The run's adapter after the checks that need no model (each refusal one line naming the key)."""
-    a = cfg.adapter
-    if dpo and a.kind != "none" and cfg.dpo.reference != "lora":
-        raise UserError(f"adapter.kind = {a.kind!r} with dpo.reference = 'copy': a DPO run with adapters takes its "
-                        "base as the reference; set dpo.reference = 'lora' (the adapter is [adapter]'s)")
-    if cfg.train.fp8 != "none" and a.kind != "none":
-        raise UserError(f"train.fp8 = {cfg.train.fp8!r} with adapter.kind = {a.kind!r}: float8 training converts the "
-                        "linears an adapter wraps: train the adapter with train.fp8 = 'none'")
-    if a.base_precision != "bf16" and AdapterSpec.of(cfg, dpo) is None:
-        raise UserError(f"adapter.base_precision = {a.base_precision!r} with adapter.kind = 'none': only a frozen "
-                        "base is quantized; set adapter.kind = 'lora' or 'lokr'")
+    """The run's adapter (``dpo``: a ``difftrain dpo`` run, whose LoRA reference is one). What cannot be built is
+    refused when the config is read (``config.refusals``, run by ``load_config`` and ``config show``); a config made in
+    code is checked the same way here. What only the verb decides is checked here alone."""
+    from difftrain.config.refusals import check_buildable
+
+    check_buildable(cfg)
     spec = AdapterSpec.of(cfg, dpo)
-    if spec is not None and a.base_precision != "bf16":
-        if cfg.parallel.cpu_offload:
-            raise UserError(f"adapter.base_precision = {a.base_precision!r} with parallel.cpu_offload: FSDP's offload "
-                            "leaves the quantized base (not sharded) on the host; train without offload (an nf4 base "
-                            "is a quarter of a bf16 one)")
-        if cfg.train.compile:
-            raise UserError(f"adapter.base_precision = {a.base_precision!r} with train.compile: compiling the "
-                            "quantized base's layers is not supported yet; set train.compile = false")
-    if spec is not None and spec.export == "merge" and a.base_precision != "bf16":
-        raise UserError(f"adapter.export = 'merge' with adapter.base_precision = {a.base_precision!r}: a merged model "
-                        "would carry the quantized base's error; export the adapter ('adapter') and fold it into the "
-                        "full-precision base (sample --adapter, or difftrain export --adapter for diffusers)")
-    if spec is not None and not dpo and not cfg.model.init_from:
-        raise UserError(f"adapter.kind = {spec.kind!r} without model.init_from: an adapter trains on a frozen base; "
-                        "set model.init_from to it (a diffusers FLUX transformer folder or a difftrain export)")
+    if spec is not None and not dpo and not cfg.model.init_from:      # a DPO config trained by 'difftrain train'
+        raise UserError(f"adapter.kind = {spec.kind!r} without model.init_from, under 'difftrain train' (dpo.init is "
+                        "read by 'difftrain dpo' only): set model.init_from to the base, or run 'difftrain dpo'")
     return spec
 
 
@@ -65,18 +48,6 @@ def adapt(cfg: Config, model: nn.ModuleDict, spec: AdapterSpec | None) -> list[s
         if getattr(model["text"], "new_words", None) is not None:     # words the base never saw: trained
             model["text"].new_words.requires_grad_(True)
     return names
-
-
-def base_quantized(dit: nn.Module, cfg: Config, spec: AdapterSpec | None, device) -> dict:
-    """The base's block linears to quantize (``adapter.base_precision`` fp8 or nf4; {} otherwise), after a trial
-    on this device: by their weight's plain name."""
-    precision = cfg.adapter.base_precision
-    if spec is None or precision == "bf16":
-        return {}
-    from difftrain.models.base_quant import base_layers, check_base_precision
-
-    check_base_precision(precision, device)
-    return base_layers(dit, precision)
 
 
 def frozen_to_bf16(dit: nn.Module, quantized: set[str]) -> int:
@@ -162,66 +133,3 @@ def spec_of_checkpoint(info: dict) -> AdapterSpec:
     """The adapter a checkpoint's run trained (its ``adapter`` record)."""
     a = info["adapter"]
     return AdapterSpec(a["kind"], int(a["rank"]), float(a["alpha"]), tuple(a["targets"]), 0.0)
-
-
-def load_base(model: nn.ModuleDict, cfg: Config, info: dict, device=None) -> dict:
-    """Read an adapter run's frozen base into ``model`` (adapters injected, plain or sharded) from where the run
-    read it: DPO's starting checkpoint or ``model.init_from``; refused, naming both, when
-    the base found there is not the one the adapters were trained on. Returns the adapters' tensors by name (and the
-    rows of words the adapter learnt, ``text.new_words``), for the checkpoint's EMA or raw values to be read into.
-    A DiT on the meta device (a quantized base) is allocated on ``device`` but for the layers to quantize, each
-    allocated as its first rows are read: the base is never whole in full precision there."""
-    from difftrain.models.lora import base_name
-    from difftrain.train.checkpoint import Checkpointer
-
-    saved = info.get("adapter_base") or {}
-    dit = model["dit"]
-    precision = cfg.adapter.base_precision
-    layers = {}
-    if precision != "bf16":                  # the base the adapters were trained on: quantized as it was, as read
-        from difftrain.models.base_quant import base_layers, quantize_layer
-        for name, p in dit.named_parameters():
-            p.requires_grad_(is_adapter(name))
-        layers = base_layers(dit, precision)
-    lazy = any(p.is_meta for p in dit.parameters())
-    if lazy:
-        if device is None:
-            raise ValueError("load_base: a DiT on the meta device needs the device to allocate it on")
-        from difftrain.models.base_quant import to_empty_but
-        to_empty_but(dit, layers, device)
-
-    def materialize(name: str) -> torch.Tensor:
-        from difftrain.models.base_quant import allocate
-        return allocate(layers[name], device)
-
-    def quantize(name: str) -> None:
-        if name in layers:
-            quantize_layer(layers[name], precision)
-
-    if "dpo" in info:
-        from difftrain.train.dpo import reference_digest
-        start = Checkpointer.read_info(info["dpo"]["init"])
-        now = {"source": start["path"], "digest": reference_digest(start, info["dpo"]["weights"])}
-        check_same_base(saved, now, Path(info["path"]))
-        if lazy:                             # a checkpoint's reader wants every tensor allocated
-            for name in layers:
-                materialize(name)
-        Checkpointer.load_tensors(start["path"], info["dpo"]["weights"],
-                                  {base_name(k): v.detach() for k, v in model.named_parameters() if not is_adapter(k)})
-        for name in list(layers):
-            quantize(name)
-    else:
-        run_dir = Path(info["path"]).parent.parent
-        check_same_base(saved, base_digest(cfg, run_dir, _is_main()), Path(info["path"]))
-        from difftrain.parallel.pretrained import load_pretrained
-        load_pretrained(dit, cfg.model.init_from, on_loaded=quantize, materialize=materialize if lazy else None)
-    trained = {k: v.detach() for k, v in model.named_parameters() if is_adapter(k) or k == "text.new_words"}
-    rest = {k: v.detach() for k, v in model.named_parameters() if not k.startswith("dit.") and k not in trained}
-    if rest:                                 # a trained word encoder, frozen under the adapter: the checkpoint's
-        Checkpointer.load_tensors(info["path"], "model", rest)
-    return trained                           # the adapters and the words they learnt (EMA or raw, as asked)
-
-
-def _is_main() -> bool:
-    from difftrain.parallel.dist import rank_world
-    return rank_world()[0] == 0
