@@ -20,6 +20,8 @@ quantized base, as QLoRA on data parallelism does); everything else, the adapter
 
 from __future__ import annotations
 
+import functools
+
 import contextlib
 import io
 import types
@@ -59,7 +61,8 @@ def nf4_scaler_block(shape: tuple[int, ...]) -> int | None:
 
 def check_base_precision(precision: str, device: torch.device) -> None:
     """Refuse, in one line naming the key, a precision torchao or this device cannot give: torchao missing, or a
-    trial quantization of a small layer (forward and backward) failing here."""
+    trial quantization of a small layer (forward and backward) failing here. The trial runs once a process for each
+    precision and device (every entry point's build asks)."""
     if precision not in PRECISIONS:
         return
     try:
@@ -67,6 +70,12 @@ def check_base_precision(precision: str, device: torch.device) -> None:
     except ImportError:
         raise UserError(f"adapter.base_precision = {precision!r} needs torchao: pip install 'difftrain[fp8]' (torchao "
                         "0.18 for torch 2.13)") from None
+    _trial(precision, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _trial(precision: str, device: str) -> None:
+    """The trial itself (a failure is not cached: it raises)."""
     try:
         layer = nn.Linear(256, 128).to(device)
         quantize_layer(layer, precision)

@@ -19,6 +19,11 @@ GiB = 2 ** 30
 SIZES_GB = (24, 48, 80)
 BYTES = {"bf16": 2.0, "fp8": 1.0, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}   # a weight, scales included
 ADAPTER_STATE = 4 + 4 + 8 + 4          # fp32 parameter, gradient, two AdamW moments, EMA
+# torchao's conversion of one weight, for a moment, bytes a weight of the layer being quantized (beside its fp32 copy):
+# fp8 13, nf4 137 (NF4's nearest-level search holds a distance to each of the 16 levels), measured on a CPU with torch
+# 2.13 and torchao 0.18 (``python bench/build_ledger.py --probe``); at FLUX's widest linear (3072 x 12288) nf4's is
+# 5.2 GB, more than the quantized base's largest block
+QUANTIZE_SCRATCH = {"fp8": 14, "nf4": 140}
 
 
 def adapter_numel(dit: nn.Module, kind: str, rank: int, targets) -> tuple[int, int]:
@@ -35,6 +40,56 @@ def adapter_numel(dit: nn.Module, kind: str, rank: int, targets) -> tuple[int, i
         else:   # LoKr: a full small factor and a low-rank large one (peft's factorisation), about r (in + out) / 2
             n += rank * (in_f + out_f) // 2 + 64
     return n, len(names)
+
+
+def base_bytes(precision: str, total: int, block_linear: int, rows: int, world: int, block: int = 0,
+               weight_bytes: float = 2.0) -> float:
+    """A rank's bytes of the frozen base: ``weight_bytes`` a weight (bf16: 2) sharded over ``world`` ranks, with a
+    block of ``block`` weights gathered and the next prefetched; quantized (fp8, nf4), the block linears' weights
+    (``block_linear`` of them, ``rows`` output rows) whole on every rank at ``BYTES`` a weight (fp8: and a float32
+    scale a row), the rest sharded."""
+    if precision == "bf16":
+        return weight_bytes * total / world + (2 * weight_bytes * block if world > 1 else 0)
+    rest = total - block_linear
+    return BYTES[precision] * block_linear + (4 * rows if precision == "fp8" else 0) + weight_bytes * rest / world
+
+
+def _linear_sizes(dit: nn.Module) -> tuple[int, int, int]:
+    """(block linears' weights, their output rows, the largest linear's weights) of a DiT on the meta device."""
+    linears = [(n, m) for n, m in dit.named_modules() if isinstance(m, nn.Linear)]
+    blocks = [m for n, m in linears if n.startswith(("double_blocks.", "single_blocks."))]
+    return (sum(m.weight.numel() for m in blocks), sum(m.weight.shape[0] for m in blocks),
+            max(m.weight.numel() for _, m in linears))
+
+
+def _largest_block_linear(dit: nn.Module) -> int:
+    return max(m.weight.numel() for n, m in dit.named_modules()
+               if isinstance(m, nn.Linear) and n.startswith(("double_blocks.", "single_blocks.")))
+
+
+def build_ledger(cfg: Config, role: str, weight_bytes: float, precision: str | None = None, world: int = 1) -> dict:
+    """The planner's figure for building and loading a model (``train.build.build_model``): the bytes a rank holds
+    once it is built (the base, at ``precision``, default ``adapter.base_precision``, with an adapter; its other
+    weights at ``weight_bytes``; the adapters in fp32) and the most that reading adds for a moment: two
+    full-precision (fp32) copies of the largest linear (the tensor being read and a read buffer); with a quantized
+    base, the largest quantized layer whole in fp32 (allocated as its rows are read), a read buffer of it and torchao's
+    conversion of it (``QUANTIZE_SCRATCH``), one layer at a time. At FLUX width the largest linear is 3072 x 12288 (150 MB in fp32),
+    against 24 GB of a 12B base in bf16. The optimizer, gradients and activations come later (``adapter_plan``,
+    ``planner``). ``role``: 'policy', 'reference' or 'sampler' (the reference has no adapter)."""
+    from difftrain.models import build_dit, config_dit_params
+
+    dit = build_dit(config_dit_params(cfg), device="meta")
+    total = sum(p.numel() for p in dit.parameters())
+    block_linear, rows, largest = _linear_sizes(dit)
+    adapted = cfg.adapter.kind != "none" and role != "reference"
+    precision = (precision or cfg.adapter.base_precision) if adapted else "bf16"
+    n_adapter = adapter_numel(dit, cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.targets)[0] if adapted else 0
+    resident = base_bytes(precision, total, block_linear, rows, world, 0, weight_bytes) + 4 * n_adapter
+    transient = 2 * 4 * largest
+    if precision != "bf16":
+        transient = max(transient, (4 + 4 + QUANTIZE_SCRATCH[precision]) * _largest_block_linear(dit))
+    return {"resident_bytes": int(resident), "transient_bytes": int(transient), "peak_bytes": int(resident + transient),
+            "full_precision_base_bytes": int(4 * total), "precision": precision, "adapter_params": n_adapter}
 
 
 def adapter_plan(cfg: Config, gpus: int, gpu_mem_gb: float, vocabulary=None) -> dict:
@@ -68,11 +123,7 @@ def adapter_plan(cfg: Config, gpus: int, gpu_mem_gb: float, vocabulary=None) -> 
     rows_out = {}
     for precision, ac in ((p_, ac) for p_ in ("bf16", "fp8", "nf4") for ac in acs):
         activations = activations_of(ac)
-        if precision == "bf16":
-            base = 2 * total / W + (2 * 2 * block if W > 1 else 0)       # sharded; a block gathered + the next
-        else:
-            rest = total - block_linear
-            base = BYTES[precision] * block_linear + (4 * rows if precision == "fp8" else 0) + 2 * rest / W
+        base = base_bytes(precision, total, block_linear, rows, W, block)
         adapters = ADAPTER_STATE * n_adapter / W
         need = base + adapters + activations + encoders
         row = {"base_gb": round(base / GiB, 2), "adapter_gb": round(adapters / GiB, 3),
