@@ -238,7 +238,8 @@ def muon_run(steps: int, smoke: bool) -> dict:
     """``train.optimizer = "muon"`` on the device. The Newton-Schulz iteration runs in bf16 on an accelerator (fp32
     on a CPU): its singular values on a block-sized matrix (FLUX's MLP, 3072 x 12288; 256 x 1024 in smoke) and its
     distance from the fp32 iteration; then ``Trainer.train_step`` with Muon and with AdamW on one batch of the same
-    model (FSDP2 on one rank, bf16 autocast): the step and optimizer times and whether the losses fall."""
+    model (FSDP2 on one rank, bf16 autocast): the step and optimizer times and whether the losses fall, and how many
+    matrices the optimizer orthogonalised as an owner rank (the exchange needs 2+ ranks: 0 here) and whole."""
     import tempfile
 
     from difftrain.config import load_config, preset_path
@@ -282,6 +283,9 @@ def muon_run(steps: int, smoke: bool) -> dict:
                 out[f"muon_trainer_{opt}_step_s"] = round((time.perf_counter() - t0) / (steps + 2), 4)
                 out[f"muon_trainer_{opt}_optim_s"] = round(sum(optim) / len(optim), 4)
                 out[f"muon_trainer_{opt}_losses"] = [round(x, 5) for x in losses]
+                if opt == "muon":            # one rank: plain tensors, so the whole-matrix path, not the owner one
+                    out["muon_trainer_owned_matrices"] = tr.optimizer.owned_orthogonalized
+                    out["muon_trainer_whole_matrices"] = tr.optimizer.whole_orthogonalized
             finally:
                 tr.close()
     out["muon_trainer_loss_falls"] = out["muon_trainer_muon_losses"][-1] < out["muon_trainer_muon_losses"][0]

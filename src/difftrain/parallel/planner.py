@@ -425,15 +425,21 @@ def _suggest(cx: _Ctx, strategies: list[Strategy]) -> tuple[list[dict], str]:
 
 
 def _muon_note(m, best) -> str:
-    """What planning train.optimizer = 'muon' as AdamW gets wrong, in bytes: less state, one matrix gathered whole."""
+    """What planning train.optimizer = 'muon' as AdamW gets wrong, in bytes: less state, the owner exchange of the
+    matrices' updates and the whole matrices an owner holds for the iteration."""
     mats = [(u.count, r * c) for u in (m.double, m.single) for r, c in u.shapes if c > 1]
     hidden, largest = sum(n * e for n, e in mats), max((e for _, e in mats), default=0)
     w = 1 if best is None else best.dp_shard * best.cp
+    share = 4 * -(-hidden // w) / GiB                  # fp32: a rank's shards, or the matrices it owns
     return (f"train.optimizer = 'muon' is planned as AdamW: Muon keeps 4 bytes, not 8, an element of the blocks' "
-            f"{hidden:,} matrix parameters (the plan overstates the state by {4 * -(-hidden // w) / GiB:.1f} GiB a GPU"
-            + (f" at {best.name}" if best is not None else "") + "), and its step gathers each of those matrices "
-            f"whole in turn (the largest, {largest:,} elements: about {largest * 10 / GiB:.2f} GiB with the "
-            "bf16 Newton-Schulz work, not counted)")
+            f"{hidden:,} matrix parameters (the plan overstates the state by {share:.1f} GiB a GPU"
+            + (f" at {best.name}" if best is not None else "") + "), and each of those matrices has one owner rank "
+            + (f"of the {w} it is sharded over: a step each rank sends its fp32 shards of every matrix once (about "
+               f"{share:.2f} GiB) and receives the whole of the matrices it owns (about {share:.2f} GiB, owners "
+               "balanced by size), then the reverse, the owners' Newton-Schulz results back to the shards"
+               if w > 1 else "(unsharded: no exchange)")
+            + f"; an owner holds a matrix whole for the iteration (the largest, {largest:,} elements: about "
+            f"{largest * 10 / GiB:.2f} GiB with the bf16 Newton-Schulz work, not counted)")
 
 
 def _encoders_note(cfg: Config, a: Assumptions, device: str) -> str:
