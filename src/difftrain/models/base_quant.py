@@ -196,6 +196,16 @@ def quantize_layer(module: nn.Linear, precision: str) -> None:
     module.forward = types.MethodType(_forward, module)
 
 
+def adopt_quantized(module: nn.Linear, weight: torch.Tensor) -> None:
+    """Put a weight another rank quantized (``parallel.node_share``) in ``module``, as ``quantize_layer`` leaves it: a
+    quantized one computed by ``_FrozenQuantizedLinear``, a full-precision one (an fp8 layer with a zero row) as is."""
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    if module.bias is not None:
+        module.bias.requires_grad_(False)
+    if type(weight) is not torch.Tensor:
+        module.forward = types.MethodType(_forward, module)
+
+
 def stored_bytes(module: nn.Module) -> int:
     """Bytes of the module's parameters as stored (a quantized weight's data and scales)."""
     total = 0

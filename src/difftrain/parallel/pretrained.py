@@ -261,13 +261,15 @@ def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return local, offset[0], shape[0]
 
 
-def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None, materialize=None) -> dict:
+def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None, materialize=None, skip=frozenset()) -> dict:
     """Overwrite every parameter of ``dit`` (plain or FSDP2/HSDP-sharded) with pretrained weights from ``path``,
     reading only the rows this rank holds, cast to each parameter's dtype. ``on_loaded(name)`` is called as soon
     as a parameter (the plain model's name) is whole, and this function keeps no reference to it afterwards: a
     frozen base is quantized layer by layer as it is read (``models.base_quant``), never whole in full precision.
     A parameter still on the meta device is allocated by ``materialize(name)`` (which returns the tensor to read
     into) just before its first rows are read, so that only the parameters being read are alive at once.
+    ``skip``: parameters (plain names) this rank does not read (a quantized layer another rank of the node reads and
+    sends it: ``parallel.node_share``).
 
     Returns {"kind": "diffusers" | "difftrain", "path", "files", "tensors" (our parameters written),
     "bytes_read" (by this rank), "bytes_total" (all the source tensors the model takes)}. Raises ``UserError``
@@ -325,6 +327,8 @@ def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None, materialize=No
         reads: dict[Path, list[tuple[str, str, int, int, torch.Tensor, int]]] = {f: [] for f in src.files}
         local_rows: dict[str, int] = {}
         for o, p in params.items():
+            if o in skip:
+                continue
             local, off, n = _local_rows(p)
             local_rows[o] = n
             for s in segments[o]:
@@ -334,8 +338,7 @@ def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None, materialize=No
                     reads[headers[s.name][0]].append((o, s.name, a, a + hi - lo, local, lo - off))
         p = local = None
 
-        written = dict.fromkeys(params, 0)
-        n_params = len(params)
+        written = dict.fromkeys(local_rows, 0)
         params.clear()                               # from here the plan's items hold the only references
         bytes_read = 0
         live: dict[str, torch.Tensor] = {}         # parameters allocated by ``materialize``, until whole
@@ -368,7 +371,7 @@ def load_pretrained(dit: MMDiT, path: str | Path, on_loaded=None, materialize=No
     wrong = {o: f"{written[o]}/{local_rows[o]} rows" for o in written if written[o] != local_rows[o]}
     if wrong:
         raise RuntimeError(f"load_pretrained: parameters not written exactly once: {dict(list(wrong.items())[:6])}")
-    return {"kind": src.kind, "path": str(src.root), "files": len(src.files), "tensors": n_params,
+    return {"kind": src.kind, "path": str(src.root), "files": len(src.files), "tensors": len(local_rows),
             "bytes_read": bytes_read, "bytes_total": sum(sizes[k] for k in expected)}
 
 

@@ -76,6 +76,7 @@ class Built:
     replicated: list = field(default_factory=list)                    # replicated trainable parameters
     report: dict = field(default_factory=dict)                        # what was read, from where
     precision: str = "bf16"                                           # the quantized base's (adapter.base_precision)
+    skip: frozenset = frozenset()      # quantized layers another rank of the node reads and sends (node_share)
 
 
 def build_model(cfg: Config, role: str, *, device: torch.device, text_encoder: nn.Module, autoencoder: nn.Module,
@@ -126,13 +127,34 @@ def build_model(cfg: Config, role: str, *, device: torch.device, text_encoder: n
     if out.quantized and device.type == "cpu":
         from difftrain.models.base_quant import mmap_large_allocations
         mmap_large_allocations()        # the base's read-through weights and dequantized pieces, returned
+    node = _node_split(out, env, weights, lazy)
     _read_weights(out, cfg, role, weights, device, lazy, base_words)                          # 7
+    if node is not None:             # the layers the node's other ranks read, from them
+        from difftrain.models.base_quant import adopt_quantized
+        from difftrain.parallel.node_share import share
+        out.report["node_bytes_received"] = share(out.quantized, *node, device, adopt_quantized)
     if out.quantized and device.type == "cpu":
         from difftrain.models.base_quant import release_freed_memory
         release_freed_memory()          # the full-precision weights the base was read through
     if not trainable:
         model.eval()
     return out
+
+
+def _node_split(out: Built, env, weights: Weights, lazy: bool):
+    """With a quantized base read lazily on a world of whole nodes: each layer's owner among the node's ranks, the
+    layers this rank leaves to others (``out.skip``); (owners, local rank, ranks, group) for ``node_share.share``."""
+    if not (lazy and out.quantized and env is not None and env.world > 1):
+        return None
+    from difftrain.parallel.node_share import node_layout, owners
+
+    layout = node_layout()
+    if layout is None:
+        return None
+    local_rank, ranks, group = layout
+    owner = owners(out.quantized, ranks)
+    out.skip = frozenset(n for n, r in owner.items() if r != local_rank)
+    return owner, local_rank, ranks, group
 
 
 def _legacy_dpo_lora(cfg: Config, weights: Weights) -> bool:
@@ -239,7 +261,7 @@ def _read_base(out: Built, path: str, device, lazy: bool) -> dict:
     from difftrain.parallel.pretrained import load_pretrained
 
     return load_pretrained(out.model["dit"], path, on_loaded=_quantize(out, out.precision),
-                           materialize=_materialize(out, device) if lazy else None)
+                           materialize=_materialize(out, device) if lazy else None, skip=out.skip)
 
 
 def _read_checkpoint(out: Built, path: str, prefix: str, device, lazy: bool, frozen_only: bool = False) -> None:
@@ -256,6 +278,8 @@ def _read_checkpoint(out: Built, path: str, prefix: str, device, lazy: bool, fro
         Checkpointer.load_tensors(path, prefix, rest)
     quantize = _quantize(out, out.precision)
     for name in out.quantized:          # one layer whole in full precision at a time
+        if name in out.skip:
+            continue
         target = _materialize(out, device)(name) if lazy else out.quantized[name].weight.detach()
         Checkpointer.load_tensors(path, prefix, {f"dit.{name}": target})
         quantize(name)
