@@ -144,6 +144,42 @@ def test_the_recipe_prepares_and_trains_with_previews_at_the_presets_size(inside
     acc = EventAccumulator(str(inside / "runs" / "previews" / "tb"), size_guidance={"images": 0})
     acc.Reload()
     assert [e.step for e in acc.Images("previews")] == [1, 2]
+    # the previews read their prompts' T5 and CLIP states from the store: the encoders were never built
+    from difftrain.data.store.prompts import StoredPrompts
+    from difftrain.models.hf_text import HFTextEncoder
+    assert isinstance(tr.preview_text, StoredPrompts) and not tr.text_encoder.built
+    events = (inside / "runs" / "previews" / "events.jsonl").read_text()
+    assert '"encoders_built"' not in events
+    # and those states are the encoders' own (stored in bf16), the empty caption's (guidance) too
+    t = cfg.text
+    enc = HFTextEncoder.from_paths(t.t5_path, t.clip_path, t.max_tokens, "fp32", device="cpu", padding=t.padding)
+    prompts = [*tr.preview_prompts[:2], ""]
+    want, got = enc(enc.tokenize(prompts)), tr.preview_text(tr.preview_text.tokenize(prompts))
+    assert torch.equal(got.mask_BT, want.mask_BT[:, :got.mask_BT.shape[1]]), (got.mask_BT, want.mask_BT)
+    keep = got.mask_BT[..., None]
+    torch.testing.assert_close(got.txt_BTD * keep, (want.txt_BTD[:, :got.mask_BT.shape[1]] * keep).float(),
+                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.pooled_BP, want.pooled_BP.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_store_fed_runs_own_preview_prompt_needs_the_encoders_and_is_refused_before_its_first_step(inside,
+                                                                                                    ray_local):
+    """A preview prompt the store does not hold, under preview.text = 'auto': refused at start, naming the key."""
+    from difftrain.cli import main
+    from difftrain.train import build_trainer
+
+    if not Path("flux-lora-store", "store.json").is_file():       # (written by the recipe's test when run before)
+        assert main(["prepare", "mine.toml", "--no-progress"]) == 0
+
+    cfg = load_config("mine.toml", ["train.steps=1", "train.sample_every=1",
+                                    'preview.prompts=[{prompt = "not in the store"}]'])
+    tr = build_trainer(cfg, inside / "runs" / "own-prompt")
+    try:
+        with pytest.raises(UserError, match="preview.text = 'encoders'"):
+            tr.fit()
+        assert tr.step == 0
+    finally:
+        tr.close()
 
 
 def test_previews_of_your_own_prompts_sizes_seeds_and_guidance(inside, monkeypatch):

@@ -423,9 +423,9 @@ def test_a_store_curriculum_is_planned_at_its_worst_bucket_and_micro_batch():
 
 
 def test_frozen_encoders_are_counted_only_where_the_run_builds_them():
-    """A store holds the text encoders' states: a store-fed run holds only the VAE until a preview builds T5 +
-    CLIP (train.sample_every > 0); the shapes source encodes every batch; fp8 stores T5's quantized linears in a
-    byte a weight. The plan's per-GPU 'encoders' part says the same."""
+    """A store holds the text encoders' states, its previews' included: a store-fed run holds only the VAE, previews
+    or not, unless preview.text = 'encoders' builds T5 + CLIP for previews; the shapes source encodes every batch; fp8
+    stores T5's quantized linears in a byte a weight. The plan's per-GPU 'encoders' part says the same."""
     from difftrain.parallel.memory import (CLIP_L_TEXT_PARAMS, FLUX_VAE_PARAMS, T5_XXL_ENCODER_PARAMS,
                                            T5_XXL_FP8_PARAMS, frozen_encoder_bytes)
 
@@ -435,10 +435,12 @@ def test_frozen_encoders_are_counted_only_where_the_run_builds_them():
     store = load_config(_preset("flux-dev"), flux + ["data.source=store", "data.store=/s", "train.sample_every=0"])
     previews = load_config(_preset("flux-dev"), flux + ["data.source=store", "data.store=/s",
                                                         "train.sample_every=500"])
+    encoded = load_config(_preset("flux-dev"), flux + ["data.source=store", "data.store=/s",
+                                                       "train.sample_every=500", "preview.text=encoders"])
     fp8 = load_config(_preset("flux-dev"), flux + ["text.precision=fp8", "train.sample_every=0"])
     text = (T5_XXL_ENCODER_PARAMS + CLIP_L_TEXT_PARAMS) * 2
-    assert frozen_encoder_bytes(store, "cuda") == FLUX_VAE_PARAMS * 2
-    assert frozen_encoder_bytes(online, "cuda") == frozen_encoder_bytes(previews, "cuda") == text + FLUX_VAE_PARAMS * 2
+    assert frozen_encoder_bytes(store, "cuda") == frozen_encoder_bytes(previews, "cuda") == FLUX_VAE_PARAMS * 2
+    assert frozen_encoder_bytes(online, "cuda") == frozen_encoder_bytes(encoded, "cuda") == text + FLUX_VAE_PARAMS * 2
     assert frozen_encoder_bytes(fp8, "cuda") == text - T5_XXL_FP8_PARAMS + FLUX_VAE_PARAMS * 2
     assert 9.0e9 < text < 10.0e9 and T5_XXL_FP8_PARAMS / T5_XXL_ENCODER_PARAMS > 0.75
     parts = {name: plan(c, 64, 141).strategies[0].per_gpu_bytes["encoders"]

@@ -68,6 +68,20 @@ class ConfiguredSource:
                             "preview with; set sample.prompts to a file of prompts, or train.sample_every = 0")
         return prompts
 
+    def preview_text(self, prompts: list[str], device):
+        """What previews encode ``prompts`` with instead of the text encoders, or None (they encode): for a store-fed
+        run with frozen encoders under ``preview.text = 'auto'``, the states the store holds (``StoredPrompts``),
+        refused at start, naming the prompt, when one is not among them."""
+        cfg = self.cfg
+        if cfg.data.source != "store" or cfg.text.kind != "hf" or cfg.preview.text != "auto":
+            return None
+        from difftrain.data.store.prompts import StoredPrompts, stored_states
+
+        states = stored_states(cfg.data.store, prompts, cfg.data.latent_dtype)
+        stored = StoredPrompts(states, cfg.text.padding, cfg.text.max_tokens, device)
+        stored.tokenize(prompts)                 # a prompt the store does not hold: refused now, not mid-run
+        return stored
+
     def build(self, autoencoder, text_encoder, rank: int = 0, num_ranks: int = 1, device="cpu",
               micro_batch: int = 0):
         """The source serving data rank ``rank`` of ``num_ranks``."""

@@ -330,6 +330,10 @@ class PreviewConfig:
                                "guidance = G}, all but prompt optional (default preview.width/height, sample.seed, "
                                "sample.guidance); the first preview.count are drawn. Empty: sample.prompts' file, else "
                                "the run's own captions", factory=list)
+    text: str = meta("how previews encode their prompts: 'auto' (a store-fed run with frozen encoders previews its "
+                     "store's own captions from the states the store holds: T5 and CLIP are never built; any other "
+                     "run encodes) or 'encoders' (build the text encoders for previews, as prompts the store does "
+                     "not hold need)", choices=("auto", "encoders"), default="auto")
 
 
 PREVIEW_KEYS = {"prompt": str, "width": int, "height": int, "seed": int, "guidance": float}

@@ -143,13 +143,15 @@ def bucket_shapes(cfg: Config) -> list[tuple[str, int, int, object, int]]:
 
 def text_encoders_resident(cfg: Config) -> bool:
     """Whether the frozen text encoders ('hf') sit on the GPU while the run trains. They are built on first use
-    (``LazyHFTextEncoder``): a run fed by the shapes source encodes every batch; a store (or a DPO pairs cache) holds
-    their states, so they are built only for previews (``train.sample_every`` > 0: from the first preview on) and
-    for the end-of-run sample, after the last step."""
+    (``LazyHFTextEncoder``): a run fed by the shapes source encodes every batch; a store holds their states, its
+    previews' included (``preview.text = 'auto'``), so a store-fed run builds them only under ``preview.text =
+    'encoders'`` with previews on; a DPO pairs cache holds the pairs' states, and its previews build them (from the
+    first preview on)."""
     if cfg.text.kind != "hf":
         return False
-    fed_states = cfg.data.source == "store" or bool(cfg.dpo.pairs)
-    return not fed_states or cfg.train.sample_every > 0
+    if cfg.data.source == "store" and not cfg.dpo.pairs:      # previews read the store's states (preview.text)
+        return cfg.train.sample_every > 0 and cfg.preview.text == "encoders"
+    return not cfg.dpo.pairs or cfg.train.sample_every > 0
 
 
 def frozen_encoder_bytes(cfg: Config, device: str, text: bool | None = None) -> int:

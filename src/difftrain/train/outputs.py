@@ -205,7 +205,8 @@ class TrainerOutputs:
         self.metrics.log(self.step, values)
 
     def pipeline(self) -> Pipeline:
-        return Pipeline(self.model, self.text_encoder, self.autoencoder, self.flow, self.device, self.amp,
+        text = self.preview_text if self.preview_text is not None else self.text_encoder
+        return Pipeline(self.model, text, self.autoencoder, self.flow, self.device, self.amp,
                         guidance=self.cfg.sample.guidance,
                         sample_shift=(self.cfg.sample.shift, self.cfg.sample.shift_value))
 
@@ -328,6 +329,24 @@ class TrainerOutputs:
         elif self.cfg.model.init_from and keep.is_file():
             self.base_preview = _load_rows(keep)
         return self.base_preview
+
+    def _preview_text_at_start(self) -> None:
+        """A store-fed run's previews read their prompts' states from the store (``preview.text``): found before the
+        first step, so a prompt the store does not hold stops the run now, not at its first preview."""
+        if not self.cfg.train.sample_every or self.preview_text is not None:
+            return
+        find = getattr(self.source, "preview_text", None)
+        if find is None:
+            return
+        from difftrain.evaluate import preview_specs
+
+        if self.preview_prompts is None:
+            self.preview_prompts = self.source.preview_prompts(self.cfg.preview.count) or []
+        prompts = [s.prompt for s in preview_specs(self.cfg, self.preview_prompts)]
+        self.preview_text = find(prompts, self.device) if prompts else None
+        if self.preview_text is not None:
+            log.info("previews read their %d prompts' text states from the store: the text encoders are not built",
+                     len(prompts))
 
     def _base_preview_at_start(self) -> None:
         """A full fine-tune's base preview, before its first step (its weights are the base only then)."""

@@ -156,6 +156,7 @@ class Trainer(TrainerOutputs):
         self.optimizer = self._build_optimizer()
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.source, self.preview_prompts = source, None
+        self.preview_text = None                             # previews' prompt states (a store-fed run's: the store's)
         self.val_batches, self.val_values = None, None       # the validation set (shapes), the step's figures
         self.val_forwards = 0                                # this rank's micro-batches at the last validation
         self.previewed = -1                                  # the step of the last preview grid
@@ -483,6 +484,7 @@ class Trainer(TrainerOutputs):
         self.preemption.install()
         self.watchdog.start().beat(self.step, "start-up")     # (again, after an earlier fit stopped it)
         self.metrics.event("start", self.step, world=self.env.world, restarts=self.restarts, run_id=self.run_id)
+        self._preview_text_at_start()
         self._base_preview_at_start()
 
     def _fetch(self) -> Fetched | None:
