@@ -223,6 +223,18 @@ def _owner_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def muon_traffic(world: int, tmp_path) -> dict:
+    """One run of ``_owner_worker`` on ``world`` gloo ranks: every rank's bytes moved by the owner layout over the
+    gather's, and the largest difference of their weights (``bench/scale_reads.py`` reports it)."""
+    import torch.multiprocessing as mp
+    from test_distributed import _free_port
+    mp.spawn(_owner_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    ratios = [sum(g["traffic"][True]) / sum(g["traffic"][False]) for g in got]
+    return {"muon_bytes_ratio": round(max(ratios), 4), "muon_bytes_ratio_by_rank": [round(x, 4) for x in ratios],
+            "muon_max_abs_diff": max(g["diff"] for g in got), "muon_ranks": world}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_owner_layout_gives_the_gathered_update_for_a_fraction_of_the_bytes(world, tmp_path):
     """Each sharded matrix orthogonalised by one owner rank (its shards sent there, the result's rows sent back)
