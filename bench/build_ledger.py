@@ -200,18 +200,85 @@ def run(device: torch.device, width: int, root: Path, blocks: int = 2) -> dict:
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def write_pairs(out: Path, size: int) -> Path:
+    """Eight preference pairs in the Pick-a-Pic layout (a dark and a light image each), as 'difftrain pairs' writes."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from difftrain.align.pairs import pickapic_pairs
+
+    def jpg(shade: int) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(np.full((size, size, 3), shade, np.uint8)).save(buf, format="JPEG")
+        return buf.getvalue()
+
+    captions = ["a red circle", "a blue square", "a green triangle", "a small red square", "a big blue circle",
+                "a green circle", "a red triangle", "a blue triangle"]
+    n = len(captions)
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"caption": captions, "jpg_0": [jpg(20 + 5 * i) for i in range(n)],
+                             "jpg_1": [jpg(200 + 5 * i) for i in range(n)], "label_0": [1.0, 0.0] * (n // 2),
+                             "model_0": ["m0"] * n, "model_1": ["m1"] * n}), out / "pap.parquet")
+    pickapic_pairs(out / "pap.parquet", out / "pairs.parquet", validation=0.0, image_size=size)
+    return out / "pairs.parquet"
+
+
+def steps(device: torch.device, width: int, root: Path, blocks: int = 2) -> dict:
+    """A LoRA DPO step and a ``sample`` on an nf4 base, through the CLI: each one's peak
+    (``torch.cuda.max_memory_allocated``) over the planner's per-GPU figure for an nf4 base (``adapter_plan``: the
+    base, the adapters' state, the activations, the encoders, the CUDA context). On a CPU the commands run and the
+    peaks are not measured (None)."""
+    from difftrain.parallel.adapter_plan import adapter_plan
+
+    sets = model_sets(width, blocks) + (["train.precision=bf16"] if device.type == "cuda" else [])
+    root.mkdir(parents=True, exist_ok=True)
+    runs = prepare(root, sets)
+    pairs = write_pairs(root / "pairs", 32)
+    cfg_path = root / "dpo.toml"
+    cfg_path.write_text(to_toml(load_config(preset_path("shapes-tiny"), sets + LORA + [
+        "adapter.base_precision=nf4", "dpo.reference=lora", "dpo.lora_export=adapter", "adapter.export=adapter",
+        f"dpo.init={runs['init']}", f"dpo.pairs={pairs}", "train.global_batch=2"])))
+    cfg = load_config(cfg_path)
+    vocabulary = Checkpointer.read_info(runs["init"]).get("text_encoder", {}).get("vocabulary")
+    plan = adapter_plan(cfg, 1, 80.0, vocabulary)["precisions"]["nf4"]["total_gb"] * 2 ** 30
+
+    def peak_of(args: list[str]):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        assert cli(args) == 0, args
+        return torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+
+    dpo = peak_of(["dpo", str(cfg_path), "--run-dir", str(root / "dpo"), "--no-progress"])
+    sample = peak_of(["sample", str(root / "dpo"), "--prompt", "a red circle", "--num-images", "1", "--steps", "2",
+                      "--out", str(root / "samples")])
+    ratio = (lambda b: None if b is None else round(b / plan, 4))
+    return {"dpo_nf4_step_peak_gb": None if dpo is None else round(dpo / 2 ** 30, 3),
+            "dpo_nf4_step_peak_over_plan": ratio(dpo), "sample_nf4_peak_over_plan": ratio(sample),
+            "nf4_plan_gb": round(plan / 2 ** 30, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--out", default="")
     ap.add_argument("--probe", action="store_true", help="only torchao's conversion scratch of one layer")
+    ap.add_argument("--steps", action="store_true", help="also a LoRA DPO step and a sample on an nf4 base")
     args = ap.parse_args()
     if args.probe:
         out = {**probe(torch.device(args.device), (4 * args.width, args.width)), "all_within": True}
     else:
         with tempfile.TemporaryDirectory() as d:
             out = run(torch.device(args.device), args.width, Path(d))
+            if args.steps:
+                out["steps"] = steps(torch.device(args.device), args.width, Path(d) / "steps")
+                within = [v for k, v in out["steps"].items() if k.endswith("over_plan") and v is not None]
+                out["all_within"] = out["all_within"] and all(v <= 1.0 for v in within)
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text)

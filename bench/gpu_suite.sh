@@ -2,8 +2,8 @@
 # The GPU checks (training, kernels, precision) on one GPU, with the machine's own torch:
 #   bash bench/gpu_suite.sh [OUT_DIR]                  # both parts: under 11 minutes
 #   PARTS=ledger bash bench/gpu_suite.sh [OUT_DIR]     # one part: 'ledger' (under 3 minutes) or 'suite' (under 8)
-# writes OUT_DIR/build_ledger.json (every entry point's build at FLUX width against the planner's figure:
-# bench/build_ledger.py) and OUT_DIR/gpu_suite.json (default: $OUT where set, else ./bench-out). No network: wheels put in bench/wheels/
+# writes OUT_DIR/build_ledger.json (every entry point's build at FLUX width against the planner's figure, then a LoRA
+# DPO step and a sample on an nf4 base against the planner's per-GPU figure: bench/build_ledger.py) and OUT_DIR/gpu_suite.json (default: $OUT where set, else ./bench-out). No network: wheels put in bench/wheels/
 # beforehand (pip download torchao==0.18.0 --no-deps -d bench/wheels) are installed from there when the machine's
 # Python lacks them; without torchao the precision figures say "not run".
 set -uo pipefail
@@ -21,7 +21,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}"   # no
 parts="${PARTS:-ledger suite}"
 status=0
 if [[ " $parts " == *" ledger "* ]]; then
-  timeout 180 python3 bench/build_ledger.py --device cuda --width 3072 --out "$out/build_ledger.json" \
+  timeout 180 python3 bench/build_ledger.py --device cuda --width 3072 --steps --out "$out/build_ledger.json" \
     > "$out/build_ledger.log" 2>&1 || status=$?
   [ -s "$out/build_ledger.json" ] && cat "$out/build_ledger.json" || tail -20 "$out/build_ledger.log"
 fi

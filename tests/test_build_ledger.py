@@ -66,3 +66,12 @@ def test_a_build_that_allocates_the_whole_base_first_is_caught(ledger, monkeypat
     figure = build_ledger(cfg, role, ledger_bench.weight_bytes(cfg, role, True, CPU))
     assert peak > figure["peak_bytes"], (peak, figure)
     assert max(counts) == 26, counts            # the whole base in full precision at the first quantization
+
+
+def test_the_gpu_sections_dpo_step_and_sample_on_an_nf4_base_run_on_a_cpu(tmp_path):
+    """The ledger part of bench/gpu_suite.sh also trains a LoRA DPO step and samples on an nf4 base through the CLI and
+    compares each peak with the planner's per-GPU figure; here the same commands run (no CUDA peak to read)."""
+    got = ledger_bench.steps(CPU, 128, tmp_path)
+    assert got["dpo_nf4_step_peak_over_plan"] is None and got["sample_nf4_peak_over_plan"] is None
+    assert (tmp_path / "dpo" / "checkpoints" / "step_00000001" / "COMPLETE.json").is_file()
+    assert list((tmp_path / "samples").glob("*.png"))
