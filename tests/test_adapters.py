@@ -371,14 +371,14 @@ def test_a_quantized_base_holds_every_block_linear_quantized_and_trains_close_to
     read_through = pretrained.load_pretrained
     alive = []
 
-    def counting_read(dit, path, on_loaded=None, materialize=None):
+    def counting_read(dit, path, on_loaded=None, materialize=None, **more):
         base = base_layers(dit, precision)
 
         def loaded(name):
             if name in base:
                 alive.append(sum(type(m.weight.data) is torch.Tensor and not m.weight.is_meta for m in base.values()))
             on_loaded(name)
-        return read_through(dit, path, on_loaded=loaded, materialize=materialize)
+        return read_through(dit, path, on_loaded=loaded, materialize=materialize, **more)
 
     monkeypatch.setattr(pretrained, "load_pretrained", counting_read)
     pipe, _, _ = load_pipeline(tmp_path / "q")
