@@ -107,19 +107,10 @@ class ConfiguredSource:
         cfg = self.cfg
         if not cfg.data.stages:
             return None
+        from difftrain.config.refusals import check_shapes_stages
         from difftrain.data.curriculum import parse_stages
-        stages = parse_stages(cfg)
-        for st in stages:
-            if st.mixture:
-                raise UserError(f"data.stages ({st.name!r}).mixture weighs store sources; the shapes source "
-                                "(data.source = 'shapes') draws tasks by data.t2i_weight/edit_weight/keyframe_weight: "
-                                "remove the mixture or train from the store")
-            for b in st.buckets:
-                if b.global_batch != cfg.train.global_batch:
-                    raise UserError(f"data.stages ({st.name!r}), bucket {b.name}: global_batch {b.global_batch}; the "
-                                    f"shapes source trains every step at train.global_batch ({cfg.train.global_batch})"
-                                    ": set them equal")
-        return stages
+        check_shapes_stages(cfg, "config")          # the schema's rule (a config made in code is checked here too)
+        return parse_stages(cfg)
 
 
 def vocabulary_for(cfg) -> list[str]:

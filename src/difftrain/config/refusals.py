@@ -28,7 +28,7 @@ def check_buildable(cfg: Config, source: str = "config") -> None:
     _check_dpo(cfg, source)
     _check_parallel(cfg, source)
     _check_fp8(cfg, source)
-    _check_shapes_stages(cfg, source)
+    check_shapes_stages(cfg, source)
     t = cfg.text
     if t.kind == "hf" and t.precision == "fp8" and not t.t5_path:
         raise UserError(f"{source}: text.precision = 'fp8' with text.t5_path = '': fp8 quantizes T5's linear layers "
@@ -129,7 +129,7 @@ def _check_fp8(cfg: Config, source: str) -> None:
                     "float8; set train.fp8 = 'none' or widths that are multiples of 16")
 
 
-def _check_shapes_stages(cfg: Config, source: str) -> None:
+def check_shapes_stages(cfg: Config, source: str) -> None:
     """The shapes source renders each step at ``train.global_batch`` by the config's task weights: a stage may not
     weigh store sources nor set a bucket's global batch to another value."""
     if cfg.data.source != "shapes" or not cfg.data.stages:
@@ -148,4 +148,4 @@ def _check_shapes_stages(cfg: Config, source: str) -> None:
                                 f"at train.global_batch ({cfg.train.global_batch}); set the bucket's global_batch to it")
 
 
-__all__ = ["check_buildable", "adapter_of"]
+__all__ = ["check_buildable", "check_shapes_stages", "adapter_of"]
